@@ -1,0 +1,246 @@
+"""mlx-lm style API: ``load``, ``stream_generate``, ``generate``."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+
+import mlx.core as mx
+from mlx_lm.generate import GenerationResponse as MlxLmResponse
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+from . import loading
+from .models.dflash import DFlashDraft, quantize_draft
+from .models.qwen3_5 import Model as Target
+from .sampling import Sampler
+from .speculative import speculative, target_only
+
+Prompt = Union[str, Sequence[int], Sequence[Dict[str, Any]], mx.array]
+
+
+@dataclass
+class DFlashModel:
+    """A target and, optionally, a bound DFlash draft."""
+
+    target: Target
+    draft: Optional[DFlashDraft] = None
+    draft_window: Optional[int] = None
+    target_path: Optional[Path] = None
+    draft_path: Optional[Path] = None
+
+
+@dataclass
+class GenerationResponse(MlxLmResponse):
+    """mlx-lm's response plus acceptance statistics of the run so far."""
+
+    cycles: int = 0  # target steps taken after the prompt
+    accepted_tokens: int = 0  # drafted tokens that were accepted
+    drafted_tokens: int = 0  # drafted tokens that were verified
+    tokens_per_cycle: float = 0.0  # committed tokens per target step
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+
+def load(
+    path_or_hf_repo: str,
+    draft: Optional[str] = None,
+    draft_quant: Optional[str] = None,
+    draft_window: Optional[int] = None,
+    revision: Optional[str] = None,
+    draft_revision: Optional[str] = None,
+) -> tuple[DFlashModel, TokenizerWrapper]:
+    """Load a Qwen3.5 target (HF or MLX layout, local or from the Hub) and optionally a draft.
+
+    ``draft_quant``: ``w4``, ``w8``, ``w4:gs32``… quantizes the draft's linear layers.
+    ``draft_window``: keep only that many recent context tokens in the draft's cache.
+    """
+    target_path = loading.resolve_path(path_or_hf_repo, revision)
+    target, config = loading.load_target(target_path)
+    eos = config.get("eos_token_id") or (config.get("text_config") or {}).get("eos_token_id")
+    tokenizer = load_tokenizer(target_path, eos_token_ids=[eos] if isinstance(eos, int) else eos)
+    model = DFlashModel(target, target_path=target_path, draft_window=draft_window)
+    if draft is not None:
+        model.draft_path = loading.resolve_path(draft, draft_revision)
+        model.draft, _ = loading.load_draft(model.draft_path)
+        model.draft.bind(target)
+        quantize_draft(model.draft, draft_quant)
+        mx.eval(model.draft.parameters())
+    elif draft_quant not in (None, "none"):
+        raise ValueError("draft_quant was given but no draft")
+    return model, tokenizer
+
+
+def encode_prompt(tokenizer: TokenizerWrapper, prompt: Prompt, enable_thinking: Optional[bool] = None) -> mx.array:
+    """Token ids for a string, a list of ids, or chat messages (chat template applied)."""
+    if isinstance(prompt, mx.array):
+        return prompt.reshape(-1)
+    if isinstance(prompt, str):
+        bos = tokenizer.bos_token
+        add_special = bos is None or not prompt.startswith(bos)
+        return mx.array(tokenizer.encode(prompt, add_special_tokens=add_special))
+    prompt = list(prompt)
+    if prompt and isinstance(prompt[0], dict):
+        extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, **extra)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return mx.array(ids)
+    if not all(isinstance(t, int) for t in prompt):
+        raise TypeError("prompt must be a string, a list of token ids or a list of chat messages")
+    return mx.array(prompt)
+
+
+class _StopText:
+    """Incremental text with stop strings; holds back what could still become one."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def push(self, segment: str) -> tuple[str, bool]:
+        self.pending += segment
+        for s in self.stops:
+            i = self.pending.find(s)
+            if i >= 0:
+                out, self.pending = self.pending[:i], ""
+                return out, True
+        hold = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def stream_generate(
+    model: Union[DFlashModel, Target],
+    tokenizer: TokenizerWrapper,
+    prompt: Prompt,
+    max_tokens: int = 256,
+    block_tokens: Optional[int] = None,
+    sampler: Optional[Sampler] = None,
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    seed: Optional[int] = None,
+    stop: Optional[Sequence[str]] = None,
+    use_draft: bool = True,
+    prefill_step_size: int = 512,
+    enable_thinking: Optional[bool] = None,
+) -> Iterator[GenerationResponse]:
+    """Yield one response per generated token, as ``mlx_lm.stream_generate`` does.
+
+    With a draft (and ``use_draft``) the tokens come from DFlash speculative decoding; the
+    output is exactly what the target alone produces (greedy) or follows its distribution
+    (sampling). ``from_draft`` is True for drafted tokens that the target accepted.
+    """
+    if isinstance(model, Target):
+        model = DFlashModel(model)
+    if sampler is None:
+        sampler = Sampler(temp, top_p, top_k, min_p)
+    elif not isinstance(sampler, Sampler):
+        raise TypeError("sampler must be a dflash_mlx.Sampler: rejection sampling needs its probabilities")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    if seed is not None:
+        mx.random.seed(seed)
+    ids = encode_prompt(tokenizer, prompt, enable_thinking)
+    if model.draft is not None and use_draft:
+        steps = speculative(
+            model.target, model.draft, ids, sampler, block_tokens, prefill_step_size, model.draft_window
+        )
+    else:
+        if block_tokens not in (None, 1) and model.draft is None and use_draft:
+            raise ValueError("block_tokens needs a draft model")
+        steps = target_only(model.target, ids, sampler, prefill_step_size)
+
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    stop_text = _StopText(stop or [])
+    eos = set(tokenizer.eos_token_ids)
+    tic = time.perf_counter()
+    prompt_tps = 0.0
+    n = cycles = accepted = drafted = 0
+    for commit in steps:
+        if n == 0:
+            prompt_tps = ids.size / (time.perf_counter() - tic)
+            tic = time.perf_counter()
+        else:
+            cycles += 1
+        accepted += commit.accepted
+        drafted += commit.drafted
+        for i, token in enumerate(commit.tokens):
+            n += 1
+            finish = None
+            if token in eos:
+                detokenizer.finalize()
+                text, finish = stop_text.push(detokenizer.last_segment)[0] + stop_text.flush(), "stop"
+            else:
+                detokenizer.add_token(token)
+                text, stopped = stop_text.push(detokenizer.last_segment)
+                if stopped:
+                    finish = "stop"
+                elif n >= max_tokens:
+                    detokenizer.finalize()
+                    text += stop_text.push(detokenizer.last_segment)[0] + stop_text.flush()
+                    finish = "length"
+            elapsed = time.perf_counter() - tic
+            yield GenerationResponse(
+                text=text,
+                token=token,
+                logprobs=commit.logprobs[i],
+                from_draft=i < commit.accepted,
+                prompt_tokens=ids.size,
+                prompt_tps=prompt_tps,
+                generation_tokens=n,
+                generation_tps=n / elapsed if elapsed > 0 else 0.0,
+                peak_memory=mx.get_peak_memory() / 1e9,
+                finish_reason=finish,
+                cycles=cycles,
+                accepted_tokens=accepted,
+                drafted_tokens=drafted,
+                tokens_per_cycle=(n - 1) / cycles if cycles else 0.0,
+            )
+            if finish is not None:
+                return
+
+
+def generate(
+    model: Union[DFlashModel, Target],
+    tokenizer: TokenizerWrapper,
+    prompt: Prompt,
+    verbose: bool = False,
+    **kwargs,
+) -> str:
+    """The whole completion as a string (``verbose`` streams it and prints statistics)."""
+    text = ""
+    last = None
+    for last in stream_generate(model, tokenizer, prompt, **kwargs):
+        if verbose:
+            print(last.text, end="", flush=True)
+        text += last.text
+    if verbose and last is not None:
+        print()
+        print("=" * 10)
+        print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec")
+        print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec")
+        if last.cycles and last.drafted_tokens:
+            print(
+                f"Speculation: {last.tokens_per_cycle:.2f} tokens/cycle, "
+                f"acceptance {last.acceptance_rate:.1%} over {last.cycles} cycles"
+            )
+        print(f"Peak memory: {last.peak_memory:.3f} GB")
+    return text

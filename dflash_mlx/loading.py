@@ -1,0 +1,124 @@
+"""Finding checkpoints (local folder or Hugging Face repo) and building models from them."""
+
+from __future__ import annotations
+
+import glob
+import json
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .models import dflash as dflash_model
+from .models import qwen3_5
+
+WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, unreadable or does not fit."""
+
+
+def resolve_path(path_or_repo: str | Path, revision: Optional[str] = None) -> Path:
+    """A local folder as it is, or a Hugging Face repo id fetched into the HF cache."""
+    path = Path(path_or_repo).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise CheckpointError(f"{path} is a file; expected a checkpoint folder")
+        return path
+    if str(path_or_repo).startswith((".", "/", "~")) or str(path_or_repo).count("/") != 1:
+        raise CheckpointError(f"no checkpoint folder at {path_or_repo!s} (and it is not a Hugging Face repo id)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return Path(snapshot_download(str(path_or_repo), revision=revision, allow_patterns=WEIGHT_PATTERNS))
+    except RepositoryNotFoundError as e:
+        raise CheckpointError(f"Hugging Face repo {path_or_repo} not found (or needs HF_TOKEN)") from e
+    except LocalEntryNotFoundError as e:
+        raise CheckpointError(
+            f"{path_or_repo} is not in the local Hugging Face cache and the Hub cannot be reached; "
+            f"download it with `huggingface-cli download {path_or_repo}` while online"
+        ) from e
+    except HfHubHTTPError as e:
+        raise CheckpointError(f"could not download {path_or_repo}: {e}") from e
+
+
+def read_config(path: Path) -> Dict[str, Any]:
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise CheckpointError(f"{path} has no config.json")
+    with open(config_file) as f:
+        return json.load(f)
+
+
+def read_weights(path: Path) -> Dict[str, mx.array]:
+    """All safetensors of a folder; single-file and sharded layouts alike."""
+    files = sorted(glob.glob(str(path / "*.safetensors")))
+    if not files:
+        raise CheckpointError(f"no .safetensors weights in {path}")
+    weights = {}
+    for f in files:
+        try:
+            weights.update(mx.load(f))
+        except Exception as e:  # mlx raises plain RuntimeError/ValueError on bad files
+            raise CheckpointError(f"cannot read {f}: {e}") from e
+    return weights
+
+
+def quantize_from_config(model: nn.Module, quantization: Dict[str, Any], weights: Dict[str, mx.array]):
+    """Turn the layers that the checkpoint stores quantized into quantized layers."""
+
+    def predicate(path, module):
+        if path in quantization and isinstance(quantization[path], dict):
+            return quantization[path]
+        return hasattr(module, "to_quantized") and f"{path}.scales" in weights
+
+    nn.quantize(
+        model,
+        group_size=quantization["group_size"],
+        bits=quantization["bits"],
+        mode=quantization.get("mode", "affine"),
+        class_predicate=predicate,
+    )
+
+
+def load_target(path: Path, dtype: Optional[mx.Dtype] = None) -> Tuple[qwen3_5.Model, Dict[str, Any]]:
+    config = read_config(path)
+    model_type = config.get("model_type", "")
+    if model_type not in ("qwen3_5", "qwen3_5_text"):
+        raise CheckpointError(f"{path}: model_type {model_type!r} is not a Qwen3.5 (dense) model")
+    model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict(config))
+    weights = model.sanitize(read_weights(path))
+    quantization = config.get("quantization") or (config.get("text_config") or {}).get("quantization")
+    if quantization:
+        quantize_from_config(model, quantization, weights)
+    if dtype is not None:
+        weights = {
+            k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and not k.endswith("A_log") else v
+            for k, v in weights.items()
+        }
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: weights do not match the config: {e}") from e
+    mx.eval(model.parameters())
+    model.eval()
+    return model, config
+
+
+def load_draft(path: Path) -> Tuple[dflash_model.DFlashDraft, Dict[str, Any]]:
+    config = read_config(path)
+    args = dflash_model.DraftArgs.from_dict(config)
+    model = dflash_model.DFlashDraft(args)
+    weights = model.sanitize(read_weights(path))
+    if config.get("quantization"):
+        quantize_from_config(model, config["quantization"], weights)
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: draft weights do not match its config: {e}") from e
+    mx.eval(model.parameters())
+    model.eval()
+    return model, config

@@ -1,0 +1,371 @@
+"""DFlash block-diffusion draft (z-lab layout).
+
+Qwen3-style decoder layers whose attention reads, besides the block, the target's context
+features projected by each layer's own ``k_proj``/``v_proj``. No embedding and no head of its
+own: ``bind`` attaches the target's.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.rope_utils import initialize_rope
+
+# Qwen3.5 vocabulary: ids below this are the base tokenizer's own tokens.
+QWEN3_5_BASE_VOCAB_END = 248070
+
+
+def evenly_spaced_layer_ids(num_target_layers: int, num_draft_layers: int) -> List[int]:
+    """z-lab's default taps when a config does not list them."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DraftArgs:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    mask_token_id: int
+    block_size: int = 16
+    target_layer_ids: Optional[List[int]] = None
+    num_target_layers: Optional[int] = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: Optional[Dict[str, Any]] = None
+    max_position_embeddings: int = 262144
+    layer_types: List[str] = field(default_factory=list)
+    sliding_window: Optional[int] = None
+    is_causal: Optional[bool] = None
+    attention_bias: bool = False
+    vocab_size: Optional[int] = None
+
+    def __post_init__(self):
+        if not self.layer_types:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"draft layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
+            )
+        unknown = set(self.layer_types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise ValueError(f"unsupported draft layer types: {sorted(unknown)}")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ValueError("draft config has sliding_attention layers but no sliding_window")
+        if self.block_size < 2:
+            raise ValueError(f"draft block_size must be at least 2, got {self.block_size}")
+
+    @classmethod
+    def from_dict(cls, config: Dict[str, Any]) -> "DraftArgs":
+        """Reads the legacy (top-level ``block_size``) and the nested z-lab schema."""
+        dflash = config.get("dflash_config") or {}
+        if "mask_token_id" not in dflash and "mask_token_id" not in config:
+            raise ValueError(
+                "draft config has no mask_token_id (expected in dflash_config); "
+                "refusing to guess: the mask id decides what the draft sees"
+            )
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        rope_theta = config.get("rope_theta", rope.get("rope_theta", 1_000_000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        names = cls.__dataclass_fields__
+        params = {k: v for k, v in config.items() if k in names}
+        params.update(
+            mask_token_id=int(dflash.get("mask_token_id", config.get("mask_token_id"))),
+            block_size=int(dflash.get("block_size", config.get("block_size", 16))),
+            target_layer_ids=dflash.get("target_layer_ids", config.get("target_layer_ids")),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope if rope_type not in ("default", None) else None,
+            layer_types=list(config.get("layer_types") or []),
+            is_causal=dflash.get("is_causal", config.get("is_causal")),
+        )
+        if params.get("head_dim") is None:
+            params["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+        return cls(**params)
+
+
+class ContextCache:
+    """Context-only K/V of one draft layer, with scratch room after it for the block.
+
+    Writing the block into the buffer (not concatenating) keeps a cycle's copies
+    independent of the context length. ``window`` bounds how much context is kept.
+    """
+
+    step = 256
+
+    def __init__(self, window: Optional[int] = None):
+        self.window = window
+        self.keys: Optional[mx.array] = None
+        self.values: Optional[mx.array] = None
+        self.offset = 0  # context tokens seen (absolute position of the next one)
+        self.start = 0  # absolute position of buffer row 0
+
+    def _ensure_room(self, needed_rows: int, like_k: mx.array, like_v: mx.array):
+        used = self.offset - self.start
+        if self.window is not None and used > self.window and used + needed_rows > self._capacity():
+            drop = used - self.window
+            self.keys = mx.contiguous(self.keys[..., drop:used, :])
+            self.values = mx.contiguous(self.values[..., drop:used, :])
+            self.start += drop
+            used = self.window
+        if used + needed_rows > self._capacity():
+            rows = ((used + needed_rows + self.step - 1) // self.step) * self.step
+            B, H, _, _ = like_k.shape
+            new_k = mx.zeros((B, H, rows, like_k.shape[-1]), like_k.dtype)
+            new_v = mx.zeros((B, H, rows, like_v.shape[-1]), like_v.dtype)
+            if used:
+                new_k[..., :used, :] = self.keys[..., :used, :]
+                new_v[..., :used, :] = self.values[..., :used, :]
+            self.keys, self.values = new_k, new_v
+
+    def _capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def append(self, ctx_k: mx.array, ctx_v: mx.array) -> None:
+        """Add committed context K/V (positions ``offset..``)."""
+        S = ctx_k.shape[2]
+        self._ensure_room(S, ctx_k, ctx_v)
+        used = self.offset - self.start
+        self.keys[..., used : used + S, :] = ctx_k
+        self.values[..., used : used + S, :] = ctx_v
+        self.offset += S
+
+    def fetch_with_block(self, block_k: mx.array, block_v: mx.array, keep: Optional[int] = None):
+        """Keys/values of the visible context followed by the block, and the context count.
+
+        ``keep`` limits the visible context to its last ``keep`` tokens (sliding layers).
+        """
+        L = block_k.shape[2]
+        self._ensure_room(L, block_k, block_v)
+        used = self.offset - self.start
+        self.keys[..., used : used + L, :] = block_k
+        self.values[..., used : used + L, :] = block_v
+        visible = min(x for x in (used, keep, self.window) if x is not None)
+        first = used - visible
+        return self.keys[..., first : used + L, :], self.values[..., first : used + L, :], visible
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, args: DraftArgs, layer_type: str):
+        super().__init__()
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = args.head_dim
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = args.sliding_window if layer_type == "sliding_attention" else None
+        sliding = self.sliding_window is not None
+        self.is_causal = sliding if args.is_causal is None else bool(args.is_causal)
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=False)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+
+    def _heads(self, x, n):
+        B, T, _ = x.shape
+        return x.reshape(B, T, n, self.head_dim)
+
+    def add_context(self, ctx: mx.array, rope, cache: ContextCache) -> None:
+        """Project context features into this layer's K/V cache (no layer norm, by design)."""
+        ck = self.k_norm(self._heads(self.k_proj(ctx), self.n_kv_heads)).transpose(0, 2, 1, 3)
+        cv = self._heads(self.v_proj(ctx), self.n_kv_heads).transpose(0, 2, 1, 3)
+        cache.append(rope(ck, offset=cache.offset), cv)
+
+    def __call__(self, x, rope, cache: ContextCache):
+        B, L, _ = x.shape
+        q = self.q_norm(self._heads(self.q_proj(x), self.n_heads)).transpose(0, 2, 1, 3)
+        k = self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)).transpose(0, 2, 1, 3)
+        v = self._heads(self.v_proj(x), self.n_kv_heads).transpose(0, 2, 1, 3)
+        q = rope(q, offset=cache.offset)
+        k = rope(k, offset=cache.offset)
+        keep = None if self.sliding_window is None else self.sliding_window - 1
+        keys, values, n_ctx = cache.fetch_with_block(k, v, keep)
+        mask = self._mask(L, n_ctx)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def _mask(self, L: int, n_ctx: int) -> Optional[mx.array]:
+        if not self.is_causal and self.sliding_window is None:
+            return None
+        query = mx.arange(L)[:, None]
+        key = mx.arange(n_ctx + L)[None] - n_ctx  # block-relative: context keys are negative
+        visible = key >= 0 if not self.is_causal else (key >= 0) & (key <= query)
+        if self.sliding_window is not None:
+            visible = visible | ((key < 0) & (query - key < self.sliding_window))
+        else:
+            visible = visible | (key < 0)
+        return visible
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, dims: int, hidden_dims: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dims, hidden_dims, bias=False)
+        self.up_proj = nn.Linear(dims, hidden_dims, bias=False)
+        self.down_proj = nn.Linear(hidden_dims, dims, bias=False)
+
+    def __call__(self, x):
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, args: DraftArgs, layer_type: str):
+        super().__init__()
+        self.self_attn = DraftAttention(args, layer_type)
+        self.mlp = DraftMLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x, rope, cache):
+        h = x + self.self_attn(self.input_layernorm(x), rope, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def _in_features(linear: nn.Module) -> int:
+    bits = getattr(linear, "bits", None)
+    width = linear.weight.shape[-1]
+    return width * 32 // bits if bits else width
+
+
+class DFlashDraft(nn.Module):
+    def __init__(self, args: DraftArgs):
+        super().__init__()
+        self.args = args
+        n_taps = len(args.target_layer_ids) if args.target_layer_ids else args.num_hidden_layers
+        self.fc = nn.Linear(n_taps * args.hidden_size, args.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.layers = [DraftLayer(args, t) for t in args.layer_types]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.rope = initialize_rope(
+            args.head_dim,
+            base=args.rope_theta,
+            traditional=False,
+            scaling_config=args.rope_scaling,
+            max_position_embeddings=args.max_position_embeddings,
+        )
+        # Bound methods of the target (plain attributes, so not draft parameters).
+        self._embed: Optional[Callable] = None
+        self._head: Optional[Callable] = None
+        self.target_layer_ids: List[int] = list(args.target_layer_ids or [])
+
+    @property
+    def block_size(self) -> int:
+        return self.args.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.args.mask_token_id
+
+    def bind(self, target) -> "DFlashDraft":
+        """Share the target's embedding and head, after checking the pair fits."""
+        t_args = target.args
+        n_layers = t_args.num_hidden_layers
+        if self.args.hidden_size != t_args.hidden_size:
+            raise ValueError(
+                f"draft hidden_size {self.args.hidden_size} != target hidden_size {t_args.hidden_size}: "
+                "this draft was made for another target"
+            )
+        ids = list(self.args.target_layer_ids or evenly_spaced_layer_ids(n_layers, self.args.num_hidden_layers))
+        bad = [i for i in ids if not 0 <= i < n_layers]
+        if bad:
+            raise ValueError(f"draft target_layer_ids {bad} out of range for a {n_layers}-layer target")
+        fc_in = _in_features(self.fc)
+        if fc_in != len(ids) * t_args.hidden_size:
+            raise ValueError(
+                f"draft fc expects {fc_in} features; {len(ids)} taps of the target give "
+                f"{len(ids) * t_args.hidden_size}"
+            )
+        vocab = target.embed_tokens.weight.shape[0]
+        if not 0 <= self.mask_token_id < vocab:
+            raise ValueError(f"draft mask_token_id {self.mask_token_id} outside the target vocabulary (0..{vocab - 1})")
+        if self.mask_token_id < QWEN3_5_BASE_VOCAB_END and vocab > QWEN3_5_BASE_VOCAB_END:
+            warnings.warn(
+                f"draft mask_token_id {self.mask_token_id} is an ordinary token of the target vocabulary; "
+                "the draft will confuse it with real text",
+                stacklevel=2,
+            )
+        self.target_layer_ids = ids
+        self._embed = target.embed_tokens.__call__
+        self._head = target.head
+        return self
+
+    def make_cache(self, window: Optional[int] = None) -> List[ContextCache]:
+        """One context cache per layer; ``window`` keeps only that many recent tokens."""
+        caches = []
+        for layer in self.layers:
+            sliding = layer.self_attn.sliding_window
+            keep = window if sliding is None else min(x for x in (window, sliding - 1) if x)
+            caches.append(ContextCache(keep))
+        return caches
+
+    def add_context(self, context: mx.array, cache: List[ContextCache]) -> None:
+        """Append committed tokens' tapped target features [B, S, taps*H] to the cache."""
+        ctx = self.hidden_norm(self.fc(context))
+        for layer, c in zip(self.layers, cache):
+            layer.self_attn.add_context(ctx, self.rope, c)
+
+    def __call__(self, block: mx.array, cache: List[ContextCache]) -> mx.array:
+        """Logits [B, L-1, V] for block slots 1.. (``[t_last, MASK, ...]``), one pass."""
+        if self._embed is None:
+            raise RuntimeError("bind(target) the draft before using it")
+        x = self._embed(block)
+        for layer, c in zip(self.layers, cache):
+            x = layer(x, self.rope, c)
+        return self._head(self.norm(x[:, 1:]))
+
+    def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
+        out = {}
+        for key, value in weights.items():
+            if key.startswith("model."):
+                key = key[len("model.") :]
+            if key.startswith(("embed_tokens.", "lm_head.")):
+                continue  # some exports carry a copy of the target's; the draft uses the target's own
+            out[key] = value
+        return out
+
+
+def parse_quant(spec: Optional[str]) -> Optional[Tuple[int, int]]:
+    """``w4``, ``w8``, ``w4:gs32``, ``none`` -> (bits, group_size) or None."""
+    if spec is None or spec.strip().lower() in ("", "none", "bf16", "fp16"):
+        return None
+    text = spec.strip().lower()
+    bits_part, _, gs_part = text.partition(":")
+    try:
+        if not bits_part.startswith("w"):
+            raise ValueError
+        bits = int(bits_part[1:])
+        group_size = int(gs_part[2:]) if gs_part else 64
+        if gs_part and not gs_part.startswith("gs"):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"bad quantization {spec!r}: use w4, w8, w4:gs32, w8:gs128 or none") from None
+    if bits not in (2, 3, 4, 5, 6, 8):
+        raise ValueError(f"bad quantization {spec!r}: bits must be one of 2, 3, 4, 5, 6, 8")
+    if group_size not in (32, 64, 128):
+        raise ValueError(f"bad quantization {spec!r}: group size must be 32, 64 or 128")
+    return bits, group_size
+
+
+def quantize_draft(draft: DFlashDraft, spec: Optional[str]) -> Optional[Dict[str, int]]:
+    """Quantize the draft's linear layers in place; returns the config entry MLX uses."""
+    parsed = parse_quant(spec)
+    if parsed is None:
+        return None
+    bits, group_size = parsed
+    nn.quantize(
+        draft,
+        group_size=group_size,
+        bits=bits,
+        class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % group_size == 0,
+    )
+    return {"group_size": group_size, "bits": bits}

@@ -1,0 +1,330 @@
+"""Qwen3.5 (dense, text) target: hybrid Gated DeltaNet + gated full attention.
+
+Beyond a plain forward pass it can return the outputs of chosen layers (the draft's context
+features) and, in verify mode, record the Gated DeltaNet rollback tape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import scaled_dot_product_attention
+from mlx_lm.models.cache import KVCache
+
+from .. import kernels
+from ..cache import GatedDeltaCache, GatedDeltaTape
+
+
+@dataclass
+class ModelArgs:
+    model_type: str = "qwen3_5_text"
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 4
+    head_dim: Optional[int] = 256
+    vocab_size: int = 248320
+    rms_norm_eps: float = 1e-6
+    linear_num_value_heads: int = 32
+    linear_num_key_heads: int = 16
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    full_attention_interval: int = 4
+    layer_types: Optional[List[str]] = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    eos_token_id: Any = None
+    rope_parameters: Dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.rope_parameters:
+            self.rope_theta = self.rope_parameters.get("rope_theta", self.rope_theta)
+            self.partial_rotary_factor = self.rope_parameters.get(
+                "partial_rotary_factor", self.partial_rotary_factor
+            )
+        if self.layer_types is None:
+            self.layer_types = [
+                "full_attention" if (i + 1) % self.full_attention_interval == 0 else "linear_attention"
+                for i in range(self.num_hidden_layers)
+            ]
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
+            )
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(
+                f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                f"linear_num_key_heads ({self.linear_num_key_heads})"
+            )
+
+    @classmethod
+    def from_dict(cls, config: Dict[str, Any]) -> "ModelArgs":
+        """Reads a text-only config or the ``text_config`` of a multimodal one."""
+        params = dict(config.get("text_config") or config)
+        for key in ("tie_word_embeddings", "eos_token_id"):
+            if key not in params and key in config:
+                params[key] = config[key]
+        if "rope_scaling" in params and not params.get("rope_parameters"):
+            params["rope_parameters"] = params["rope_scaling"]
+        names = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in params.items() if k in names})
+
+
+class ZeroCentredRMSNorm(nn.Module):
+    """Qwen3.5's RMSNorm. Weights are stored as ``1 + w`` after ``sanitize``."""
+
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x):
+        return mx.fast.rms_norm(x, self.weight, self.eps)
+
+
+class GatedRMSNorm(nn.Module):
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x, gate):
+        normed = mx.fast.rms_norm(x, self.weight, self.eps)
+        return (nn.silu(gate.astype(mx.float32)) * normed.astype(mx.float32)).astype(x.dtype)
+
+
+@partial(mx.compile, shapeless=True)
+def _decay(A_log, a, dt_bias):
+    return mx.exp(-mx.exp(A_log.astype(mx.float32)) * nn.softplus(a + dt_bias))
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.num_k_heads = args.linear_num_key_heads
+        self.num_v_heads = args.linear_num_value_heads
+        self.head_k_dim = args.linear_key_head_dim
+        self.head_v_dim = args.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_kernel_size = args.linear_conv_kernel_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+
+        self.in_proj_qkv = nn.Linear(args.hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(args.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(args.hidden_size, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(args.hidden_size, self.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, self.conv_kernel_size, groups=self.conv_dim, bias=False
+        )
+        self.dt_bias = mx.ones((self.num_v_heads,))
+        self.A_log = mx.zeros((self.num_v_heads,))
+        self.norm = GatedRMSNorm(self.head_v_dim, args.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, args.hidden_size, bias=False)
+
+    def __call__(self, x, cache: Optional[GatedDeltaCache] = None, record_tape: bool = False):
+        B, T, _ = x.shape
+        qkv = self.in_proj_qkv(x)
+        z = self.in_proj_z(x).reshape(B, T, self.num_v_heads, self.head_v_dim)
+        beta = mx.sigmoid(self.in_proj_b(x))
+        g = _decay(self.A_log, self.in_proj_a(x), self.dt_bias)
+
+        conv_state = None if cache is None else cache.conv_state
+        if conv_state is None:
+            conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), dtype=qkv.dtype)
+        conv_input = mx.concatenate([conv_state, qkv], axis=1)
+        conv_out = nn.silu(self.conv1d(conv_input))
+        q, k, v = mx.split(conv_out, [self.key_dim, 2 * self.key_dim], axis=-1)
+        q = q.reshape(B, T, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(B, T, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(B, T, self.num_v_heads, self.head_v_dim)
+        # L2 norm with eps 1e-6 on sum(x^2) (HF/FLA), written as an RMSNorm; q also takes Dk^-0.5.
+        inv_scale = self.head_k_dim**-0.5
+        eps = 1e-6 * inv_scale**2
+        q = (inv_scale**2) * mx.fast.rms_norm(q, None, eps)
+        k = inv_scale * mx.fast.rms_norm(k, None, eps)
+
+        start_state = None if cache is None else cache.state
+        y, state, delta = kernels.gated_delta(q, k, v, g, beta, start_state)
+        if cache is not None:
+            if record_tape:
+                if start_state is None:
+                    start_state = mx.zeros_like(state)
+                cache.tape = GatedDeltaTape(start_state, conv_input, k, g, delta)
+            cache.conv_state = conv_input[:, -(self.conv_kernel_size - 1) :]
+            cache.state = state
+            cache.offset += T
+        out = self.norm(y, z)
+        return self.out_proj(out.reshape(B, T, -1))
+
+
+class Attention(nn.Module):
+    """Full attention whose ``q_proj`` also emits a per-channel sigmoid output gate."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = args.head_dim
+        self.scale = self.head_dim**-0.5
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(args.hidden_size, 2 * self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=bias)
+        self.q_norm = ZeroCentredRMSNorm(self.head_dim, args.rms_norm_eps)
+        self.k_norm = ZeroCentredRMSNorm(self.head_dim, args.rms_norm_eps)
+        self.rope = nn.RoPE(
+            int(self.head_dim * args.partial_rotary_factor), traditional=False, base=args.rope_theta
+        )
+
+    def __call__(self, x, cache: Optional[KVCache] = None):
+        B, T, _ = x.shape
+        queries, gate = mx.split(self.q_proj(x).reshape(B, T, self.n_heads, -1), 2, axis=-1)
+        gate = gate.reshape(B, T, -1)
+        queries = self.q_norm(queries).transpose(0, 2, 1, 3)
+        keys = self.k_norm(self.k_proj(x).reshape(B, T, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        values = self.v_proj(x).reshape(B, T, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        offset = 0 if cache is None else cache.offset
+        queries = self.rope(queries, offset=offset)
+        keys = self.rope(keys, offset=offset)
+        if cache is not None:
+            keys, values = cache.update_and_fetch(keys, values)
+        mask = "causal" if T > 1 else None
+        out = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
+        out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
+        return self.o_proj(out * mx.sigmoid(gate))
+
+
+class MLP(nn.Module):
+    def __init__(self, dims: int, hidden_dims: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dims, hidden_dims, bias=False)
+        self.up_proj = nn.Linear(dims, hidden_dims, bias=False)
+        self.down_proj = nn.Linear(hidden_dims, dims, bias=False)
+
+    def __call__(self, x):
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_type: str):
+        super().__init__()
+        self.is_linear = layer_type == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(args)
+        else:
+            self.self_attn = Attention(args)
+        self.input_layernorm = ZeroCentredRMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCentredRMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+
+    def __call__(self, x, cache=None, record_tape: bool = False):
+        if self.is_linear:
+            r = self.linear_attn(self.input_layernorm(x), cache, record_tape)
+        else:
+            r = self.self_attn(self.input_layernorm(x), cache)
+        h = x + r
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3_5TextModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, t) for t in args.layer_types]
+        self.norm = ZeroCentredRMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = Qwen3_5TextModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def head(self, h: mx.array) -> mx.array:
+        """The output projection alone (no final norm); the draft shares it."""
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    def forward(
+        self,
+        inputs: mx.array,
+        cache: Optional[list] = None,
+        taps: Sequence[int] = (),
+        record_tape: bool = False,
+    ) -> Tuple[mx.array, Optional[mx.array]]:
+        """Logits and, when ``taps`` is given, those layers' outputs concatenated on features.
+
+        ``record_tape`` makes every Gated DeltaNet cache keep what ``cache.rollback`` needs.
+        """
+        h = self.model.embed_tokens(inputs)
+        cache = cache if cache is not None else [None] * len(self.layers)
+        tapped = {}
+        for i, (layer, c) in enumerate(zip(self.layers, cache)):
+            h = layer(h, c, record_tape)
+            if i in taps:
+                tapped[i] = h
+        hidden = mx.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
+        return self.head(self.model.norm(h)), hidden
+
+    def __call__(self, inputs: mx.array, cache: Optional[list] = None) -> mx.array:
+        return self.forward(inputs, cache)[0]
+
+    def make_cache(self) -> list:
+        return [GatedDeltaCache() if l.is_linear else KVCache() for l in self.layers]
+
+    def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
+        """Maps HF (multimodal or text-only) and MLX checkpoints onto this module tree."""
+        out = {}
+        for key, value in weights.items():
+            if key.startswith(("vision_tower", "model.visual", "visual.")) or "mtp." in key:
+                continue
+            for old, new in (
+                ("model.language_model.", "model."),
+                ("language_model.model.", "model."),
+                ("language_model.lm_head.", "lm_head."),
+            ):
+                if key.startswith(old):
+                    key = new + key[len(old) :]
+                    break
+            out[key] = value
+        if self.args.tie_word_embeddings:
+            out.pop("lm_head.weight", None)
+        # HF stores conv weights [C, 1, K] and zero-centred norms; MLX checkpoints are converted.
+        from_hf = any("conv1d.weight" in k and v.shape[-1] != 1 for k, v in out.items())
+        if from_hf:
+            for key, value in out.items():
+                if "conv1d.weight" in key:
+                    out[key] = value.moveaxis(2, 1)
+                elif value.ndim == 1 and key.endswith(
+                    ("layernorm.weight", "model.norm.weight", "q_norm.weight", "k_norm.weight")
+                ):
+                    out[key] = value + 1.0
+        return out
+
+    @property
+    def cast_predicate(self):
+        return lambda path: not path.endswith("A_log")

@@ -1,0 +1,112 @@
+"""The decode loops: target alone, and DFlash speculative decoding.
+
+Both yield ``Commit`` records, one per step of the target, so that the API layer treats
+them alike. The speculative cycle (DESIGN.md §3): draft a block in one pass, verify it in one
+target pass that records the rollback tape, accept, roll the caches back to the committed
+prefix, hand the committed tokens' features to the draft.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Sequence
+
+import mlx.core as mx
+
+from .cache import cache_arrays, rollback
+from .models.dflash import DFlashDraft
+from .models.qwen3_5 import Model as Target
+from .sampling import Sampler, accept, propose
+
+
+@dataclass
+class Commit:
+    """Tokens committed by one target step, with the target's log-probs for each."""
+
+    tokens: List[int]
+    logprobs: mx.array  # [len(tokens), V]
+    drafted: int = 0  # draft proposals verified in this step
+    accepted: int = 0  # of which accepted (they are tokens[:accepted])
+
+
+def _logprobs(logits: mx.array) -> mx.array:
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def prefill(
+    target: Target,
+    prompt: mx.array,
+    cache: list,
+    step_size: int,
+    taps: Sequence[int] = (),
+    on_features=None,
+) -> mx.array:
+    """Feed the prompt in chunks; returns the last position's logits [V].
+
+    Each chunk's tapped features go to ``on_features`` (the draft's context cache) so that
+    memory stays bounded by the chunk size.
+    """
+    if prompt.size == 0:
+        raise ValueError("the prompt is empty: at least one token is needed")
+    for start in range(0, prompt.size, step_size):
+        logits, features = target.forward(prompt[None, start : start + step_size], cache, taps)
+        if on_features is not None:
+            on_features(features)
+        mx.eval(logits, cache_arrays(cache))
+    return logits[0, -1]
+
+
+def target_only(
+    target: Target, prompt: mx.array, sampler: Sampler, prefill_step_size: int = 512, cache=None
+) -> Iterator[Commit]:
+    """Ordinary decoding, one token per step: the baseline and the reference."""
+    cache = target.make_cache() if cache is None else cache
+    logits = prefill(target, prompt, cache, prefill_step_size)
+    token = sampler(logits)
+    while True:
+        # Queue the next step before handing out this token, as mlx-lm does.
+        next_logits = target.forward(token.reshape(1, 1), cache)[0][0, -1]
+        next_token = sampler(next_logits)
+        mx.async_eval(next_token)
+        yield Commit([token.item()], _logprobs(logits)[None])
+        logits, token = next_logits, next_token
+
+
+def speculative(
+    target: Target,
+    draft: DFlashDraft,
+    prompt: mx.array,
+    sampler: Sampler,
+    block_tokens: Optional[int] = None,
+    prefill_step_size: int = 512,
+    draft_window: Optional[int] = None,
+    cache=None,
+    draft_cache=None,
+) -> Iterator[Commit]:
+    """DFlash decoding: each step commits the accepted draft prefix plus one target token."""
+    block = block_tokens or draft.block_size
+    if not 1 <= block <= draft.block_size:
+        raise ValueError(f"block_tokens={block_tokens} must be between 1 and the draft's block size {draft.block_size}")
+    if block == 1:  # no draft slot left: plain decoding
+        yield from target_only(target, prompt, sampler, prefill_step_size, cache)
+        return
+    taps = draft.target_layer_ids
+    cache = target.make_cache() if cache is None else cache
+    draft_cache = draft.make_cache(draft_window) if draft_cache is None else draft_cache
+    logits = prefill(target, prompt, cache, prefill_step_size, taps, lambda f: draft.add_context(f, draft_cache))
+    token = sampler(logits).reshape(1)
+    yield Commit([token.item()], _logprobs(logits)[None])
+    masks = mx.full((block - 1,), draft.mask_token_id, dtype=token.dtype)
+    while True:
+        draft_logits = draft(mx.concatenate([token, masks])[None], draft_cache)[0]
+        drafted, draft_probs = propose(draft_logits, sampler)
+        verify_in = mx.concatenate([token, drafted.astype(token.dtype)])
+        logits, features = target.forward(verify_in[None], cache, taps, record_tape=True)
+        n_accepted, next_token = accept(logits[0], drafted, draft_probs, sampler)
+        mx.eval(n_accepted, next_token, drafted)  # the cycle's one host synchronisation
+        n = n_accepted.item()
+        rollback(cache, fed=block, keep=n + 1)
+        draft.add_context(features[:, : n + 1], draft_cache)
+        tokens = drafted[:n].tolist() + [next_token.item()]
+        yield Commit(tokens, _logprobs(logits[0, : n + 1]), drafted=block - 1, accepted=n)
+        token = next_token.reshape(1)
