@@ -1,0 +1,167 @@
+"""Greedy speculative output is token-identical to the target alone, for every acceptance length."""
+
+from __future__ import annotations
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dflash_mlx.cache import GatedDeltaCache
+from dflash_mlx.models.dflash import quantize_draft
+from dflash_mlx.sampling import Sampler
+from dflash_mlx.speculative import speculative, target_only
+from tests.conftest import VOCAB, make_draft, random_prompts
+
+GREEDY = Sampler()
+BLOCKS = [2, 4, 8, 16]
+
+
+def take(commits, n):
+    """The first ``n`` tokens of a commit stream, and the commits that made them."""
+    tokens, seen = [], []
+    for commit in commits:
+        seen.append(commit)
+        tokens.extend(commit.tokens)
+        if len(tokens) >= n:
+            return tokens[:n], seen
+
+
+def assert_lossless(target, prompt, expected, got):
+    """Exact equality, or a proven near-tie of the target at the first divergence."""
+    if expected == got:
+        return
+    j = next(i for i, (a, b) in enumerate(zip(expected, got)) if a != b)
+    context = mx.concatenate([prompt, mx.array(expected[:j], dtype=prompt.dtype)])
+    logits = np.array(target(context[None])[0, -1])
+    top2 = np.argsort(logits)[-2:]
+    gap = logits[top2[1]] - logits[top2[0]]
+    assert {expected[j], got[j]} == set(top2.tolist()) and gap < 1e-5, (
+        f"speculative output diverges at token {j}: {got[j]} instead of {expected[j]} "
+        f"(target top-2 gap {gap:.3g}, not a floating-point near-tie)"
+    )
+
+
+class OracleDraft:
+    """Proposes the target's own greedy continuation, wrong at one scheduled slot per cycle.
+
+    Schedule entry ``e < block-1`` corrupts slot ``e`` (so exactly ``e`` tokens are accepted);
+    ``block-1`` corrupts nothing (full acceptance).
+    """
+
+    mask_token_id = VOCAB - 1
+    target_layer_ids = [0]
+
+    def __init__(self, sequence, block_size, schedule):
+        self.sequence, self.block_size, self.schedule = sequence, block_size, schedule
+        self.position = 0  # tokens the target has committed to its cache
+        self.cycle = 0
+
+    def make_cache(self, window=None):
+        return []
+
+    def add_context(self, features, cache):
+        self.position += features.shape[1]
+
+    def __call__(self, block, cache):
+        n = block.shape[1] - 1
+        want = list(self.sequence[self.position + 1 : self.position + 1 + n])
+        want += [0] * (n - len(want))
+        wrong = self.schedule[self.cycle % len(self.schedule)]
+        self.cycle += 1
+        if wrong < n:
+            want[wrong] = (want[wrong] + 1) % (VOCAB - 1)
+        return (10.0 * mx.eye(VOCAB)[mx.array(want)])[None]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(20, VOCAB, seed=7)
+
+
+@pytest.fixture(scope="module")
+def references(target, prompts):
+    """Target-only greedy continuations, long enough for the oracle's longest schedule."""
+    return [take(target_only(target, p, GREEDY), 16 * 17 // 2 + 20)[0] for p in prompts]
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_random_draft_is_lossless(target, draft, prompts, references, block):
+    for prompt, expected in zip(prompts, references):
+        got, commits = take(speculative(target, draft, prompt, GREEDY, block_tokens=block), 24)
+        assert_lossless(target, prompt, expected[:24], got)
+        assert all(c.drafted == block - 1 for c in commits[1:])
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_every_acceptance_length_is_lossless(target, prompts, references, block):
+    seen = set()
+    for k, (prompt, expected) in enumerate(zip(prompts, references)):
+        schedule = list(range(block))
+        schedule = schedule[k % block :] + schedule[: k % block]
+        oracle = OracleDraft(prompt.tolist() + expected, block, schedule)
+        n = block * (block + 1) // 2 + 1
+        got, commits = take(speculative(target, oracle, prompt, GREEDY, block_tokens=block), n)
+        assert_lossless(target, prompt, expected[:n], got)
+        accepted = [c.accepted for c in commits[1:]]
+        seen.update(accepted)
+        # The oracle's schedule is followed exactly, so the loop accepted what it should.
+        assert accepted[: len(schedule)] == schedule[: len(accepted)]
+    assert seen == set(range(block)), f"acceptance lengths seen: {sorted(seen)}"
+
+
+def test_w4_draft_is_lossless(tmp_path, target, target_config, prompts, references):
+    w4 = make_draft(tmp_path, target, target_config, block_size=8, seed=5)
+    quantize_draft(w4, "w4:gs32")
+    for prompt, expected in itertools.islice(zip(prompts, references), 8):
+        got, _ = take(speculative(target, w4, prompt, GREEDY, block_tokens=8), 24)
+        assert_lossless(target, prompt, expected[:24], got)
+
+
+def _cache_tensors(cache):
+    out = []
+    for c in cache:
+        if isinstance(c, GatedDeltaCache):
+            out.append(("conv", c.offset, np.array(c.conv_state)))
+            out.append(("state", c.offset, np.array(c.state)))
+        else:
+            out.append(("keys", c.offset, np.array(c.keys[..., : c.offset, :])))
+            out.append(("values", c.offset, np.array(c.values[..., : c.offset, :])))
+    return out
+
+
+@pytest.mark.parametrize("block", [4, 8])
+def test_rollback_leaves_the_caches_of_the_committed_tokens(target, prompts, references, block):
+    prompt, expected = prompts[3], references[3]
+    oracle = OracleDraft(prompt.tolist() + expected, block, list(range(block)) * 2)
+    cache = target.make_cache()
+    committed = []
+    for i, commit in enumerate(speculative(target, oracle, prompt, GREEDY, block_tokens=block, cache=cache)):
+        committed.extend(commit.tokens)
+        # Everything committed except the newest token (the next cycle's input) is in the cache.
+        direct = target.make_cache()
+        fed = mx.concatenate([prompt, mx.array(committed[:-1], dtype=prompt.dtype)])
+        target(fed[None], direct)
+        for (name, offset, got), (_, want_offset, want) in zip(_cache_tensors(cache), _cache_tensors(direct)):
+            assert offset == want_offset == fed.size, name
+            np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5, err_msg=f"cycle {i}: {name}")
+        if i == 2 * block:
+            break
+
+
+def test_replayed_state_is_bit_identical_to_the_forward_state(target):
+    """Replaying all of a tape reproduces the recurrence's own final state exactly."""
+    from dflash_mlx import kernels
+
+    rng = np.random.default_rng(0)
+    B, T, Hk, Hv, Dk, Dv = 1, 8, 2, 4, 32, 16
+    q, k = (mx.array(rng.standard_normal((B, T, Hk, Dk)).astype(np.float32) * 0.2) for _ in range(2))
+    v = mx.array(rng.standard_normal((B, T, Hv, Dv)).astype(np.float32))
+    g = mx.array(rng.uniform(0.5, 1.0, (B, T, Hv)).astype(np.float32))
+    beta = mx.array(rng.uniform(0, 1, (B, T, Hv)).astype(np.float32))
+    state = mx.array(rng.standard_normal((B, Hv, Dv, Dk)).astype(np.float32))
+    for n in range(T + 1):
+        _, direct, _ = kernels.gated_delta(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], state) if n else (None, state, None)
+        _, _, tape = kernels.gated_delta(q, k, v, g, beta, state)
+        np.testing.assert_array_equal(np.array(kernels.tape_replay(state, k, g, tape, n)), np.array(direct))

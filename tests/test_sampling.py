@@ -1,0 +1,109 @@
+"""Sampled speculative decoding follows the target's own distribution (and a biased rule is caught)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+from dflash_mlx import sampling, speculative as loop
+from dflash_mlx.loading import load_target
+from dflash_mlx.sampling import Sampler
+from tests.conftest import make_draft, make_hf_target
+
+V = 8  # small vocabulary: the joint distribution of two tokens has 64 cells
+SAMPLES = 1200
+PROMPT = mx.array([1, 5, 2, 6, 3], dtype=mx.int32)
+
+
+@pytest.fixture(scope="module")
+def small_pair(tmp_path_factory):
+    path = make_hf_target(tmp_path_factory.mktemp("small_target"), vocab_size=V, seed=11)
+    target, config = load_target(path)
+    draft = make_draft(tmp_path_factory.mktemp("small_draft"), target, config, block_size=4, seed=12)
+    return target, draft
+
+
+def exact_joint(target, sampler):
+    """P(t2, t3) under target-only sampling: the target samples t1, then t2, t3."""
+    p1 = np.array(sampler.probs(target(PROMPT[None])[0, -1]))
+    seqs = np.array([[*PROMPT.tolist(), a] for a in range(V)])
+    p2 = np.array(sampler.probs(target(mx.array(seqs))[:, -1]))  # [t1, t2]
+    seqs3 = np.array([[*PROMPT.tolist(), a, b] for a in range(V) for b in range(V)])
+    p3 = np.array(sampler.probs(target(mx.array(seqs3))[:, -1])).reshape(V, V, V)  # [t1, t2, t3]
+    return np.einsum("a,ab,abc->bc", p1, p2, p3)
+
+
+def sampled_joint(target, draft, sampler, seed):
+    mx.random.seed(seed)
+    counts = np.zeros((V, V))
+    for _ in range(SAMPLES):
+        tokens = []
+        for commit in loop.speculative(target, draft, PROMPT, sampler, block_tokens=4):
+            tokens.extend(commit.tokens)
+            if len(tokens) >= 3:
+                break
+        counts[tokens[1], tokens[2]] += 1
+    return counts
+
+
+def goodness_of_fit(counts, expected_probs):
+    expected_probs = expected_probs.astype(np.float64).ravel()
+    expected = expected_probs / expected_probs.sum() * counts.sum()
+    observed = counts.ravel()
+    small = expected < 5  # pool sparse cells so the chi-square approximation holds
+    observed = np.append(observed[~small], observed[small].sum())
+    expected = np.append(expected[~small], expected[small].sum())
+    return chisquare(observed, expected).pvalue
+
+
+SAMPLERS = [Sampler(temperature=1.0), Sampler(temperature=0.8, top_p=0.9, top_k=6, min_p=0.02)]
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS, ids=["plain", "filtered"])
+def test_speculative_samples_follow_the_target_distribution(small_pair, sampler):
+    target, draft = small_pair
+    pvalue = goodness_of_fit(sampled_joint(target, draft, sampler, seed=0), exact_joint(target, sampler))
+    assert pvalue > 1e-3, f"speculative samples do not follow the target (chi-square p={pvalue:.2g})"
+
+
+def biased_accept(target_logits, drafted, draft_probs, sampler):
+    """A classic bug: on rejection, draw from p instead of the residual max(p - q, 0)."""
+    n = drafted.shape[0]
+    p = sampler.probs(target_logits)
+    p_d = mx.take_along_axis(p[:n], drafted[:, None], axis=-1)[:, 0]
+    q_d = mx.take_along_axis(draft_probs, drafted[:, None], axis=-1)[:, 0]
+    accepted = mx.cumprod((mx.random.uniform(shape=(n,)) * q_d < p_d).astype(mx.int32)).sum()
+    return accepted, sampling.categorical(p)[accepted]
+
+
+def test_negative_control_biased_rule_is_detected(small_pair, monkeypatch):
+    target, draft = small_pair
+    sampler = SAMPLERS[0]
+    monkeypatch.setattr(loop, "accept", biased_accept)
+    pvalue = goodness_of_fit(sampled_joint(target, draft, sampler, seed=0), exact_joint(target, sampler))
+    assert pvalue < 1e-4, f"the test cannot tell a biased acceptance rule apart (p={pvalue:.2g})"
+
+
+def test_target_only_sampling_follows_its_distribution(small_pair):
+    """The baseline samples from the same filtered distribution (sanity of the reference)."""
+    target, _ = small_pair
+    sampler = SAMPLERS[1]
+    mx.random.seed(1)
+    p1 = np.array(sampler.probs(target(PROMPT[None])[0, -1]))
+    counts = np.zeros(V)
+    for _ in range(SAMPLES):
+        counts[next(loop.target_only(target, PROMPT, sampler)).tokens[0]] += 1
+    assert goodness_of_fit(counts, p1) > 1e-3
+
+
+def test_filters_keep_what_they_promise():
+    logits = mx.log(mx.array([[0.5, 0.3, 0.15, 0.05]]))
+    assert np.array(Sampler(1.0, top_k=2).probs(logits)).round(4).tolist() == [[0.625, 0.375, 0.0, 0.0]]
+    assert (np.array(Sampler(1.0, top_p=0.8).probs(logits)) > 0).tolist() == [[True, True, False, False]]
+    assert (np.array(Sampler(1.0, top_p=0.81).probs(logits)) > 0).tolist() == [[True, True, True, False]]
+    assert (np.array(Sampler(1.0, min_p=0.2).probs(logits)) > 0).tolist() == [[True, True, True, False]]
+    for bad in (dict(temperature=-1), dict(top_p=0), dict(top_k=-1), dict(min_p=1)):
+        with pytest.raises(ValueError):
+            Sampler(**bad)
