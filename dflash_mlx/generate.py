@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
@@ -68,11 +69,26 @@ def load(
         model.draft_path = loading.resolve_path(draft, draft_revision)
         model.draft, _ = loading.load_draft(model.draft_path)
         model.draft.bind(target)
+        warn_if_mask_is_a_token(model.draft.mask_token_id, tokenizer)
         quantize_draft(model.draft, draft_quant)
         mx.eval(model.draft.parameters())
     elif draft_quant not in (None, "none"):
         raise ValueError("draft_quant was given but no draft")
     return model, tokenizer
+
+
+def warn_if_mask_is_a_token(mask_token_id: int, tokenizer) -> Optional[str]:
+    """A mask id that is a real token of the target's tokenizer makes the draft misread text."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    if mask_token_id >= len(hf):
+        return None
+    token = hf.convert_ids_to_tokens(mask_token_id)
+    message = (
+        f"draft mask_token_id {mask_token_id} is the real token {token!r} of the target's tokenizer: "
+        "the draft cannot tell masked slots from that token (convert the draft for this tokenizer)"
+    )
+    warnings.warn(message, stacklevel=3)
+    return message
 
 
 def encode_prompt(tokenizer: TokenizerWrapper, prompt: Prompt, enable_thinking: Optional[bool] = None) -> mx.array:

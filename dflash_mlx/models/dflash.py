@@ -7,17 +7,12 @@ own: ``bind`` attaches the target's.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
-
-# Qwen3.5 vocabulary: ids below this are the base tokenizer's own tokens.
-QWEN3_5_BASE_VOCAB_END = 248070
-
 
 def evenly_spaced_layer_ids(num_target_layers: int, num_draft_layers: int) -> List[int]:
     """z-lab's default taps when a config does not list them."""
@@ -288,12 +283,6 @@ class DFlashDraft(nn.Module):
         vocab = target.embed_tokens.weight.shape[0]
         if not 0 <= self.mask_token_id < vocab:
             raise ValueError(f"draft mask_token_id {self.mask_token_id} outside the target vocabulary (0..{vocab - 1})")
-        if self.mask_token_id < QWEN3_5_BASE_VOCAB_END and vocab > QWEN3_5_BASE_VOCAB_END:
-            warnings.warn(
-                f"draft mask_token_id {self.mask_token_id} is an ordinary token of the target vocabulary; "
-                "the draft will confuse it with real text",
-                stacklevel=2,
-            )
         self.target_layer_ids = ids
         self._embed = target.embed_tokens.__call__
         self._head = target.head
