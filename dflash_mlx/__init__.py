@@ -1,6 +1,6 @@
 """dflash-mlx: lossless DFlash speculative decoding for Qwen3.5 models on MLX."""
 
-from .generate import DFlashModel, GenerationResponse, generate, load, stream_generate
+from .api import DFlashModel, GenerationResponse, generate, load, stream_generate
 from .sampling import Sampler
 
 make_sampler = Sampler

@@ -1,0 +1,122 @@
+"""The mlx_lm-style API: load, generate, stream_generate, on a tiny pair in the real layouts."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from dflash_mlx import GenerationResponse, Sampler, generate, load, stream_generate, tiny
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    target_dir, draft_dir = tiny.write_pair(tmp_path_factory.mktemp("pair"))
+    return load(str(target_dir), draft=str(draft_dir))
+
+
+def test_speculative_text_equals_target_alone(pair):
+    model, tokenizer = pair
+    for prompt in ("def fibonacci(n):", "The quick brown fox"):
+        alone = generate(model, tokenizer, prompt, max_tokens=40, use_draft=False)
+        for block in (2, 8, 16):
+            assert generate(model, tokenizer, prompt, max_tokens=40, block_tokens=block) == alone
+
+
+def test_responses_carry_mlx_lm_fields_and_statistics(pair):
+    model, tokenizer = pair
+    responses = list(stream_generate(model, tokenizer, "class Stack:", max_tokens=30, block_tokens=4))
+    assert len(responses) == 30 and all(isinstance(r, GenerationResponse) for r in responses)
+    last = responses[-1]
+    assert last.finish_reason == "length" and all(r.finish_reason is None for r in responses[:-1])
+    assert [r.generation_tokens for r in responses] == list(range(1, 31))
+    assert last.prompt_tokens == len(tokenizer.encode("class Stack:"))
+    assert last.logprobs.shape == (tiny.target_config()["vocab_size"],)
+    assert abs(mx.exp(last.logprobs).sum().item() - 1) < 1e-4
+    # from_draft marks exactly the accepted drafted tokens.
+    assert sum(r.from_draft for r in responses) <= last.accepted_tokens
+    assert last.drafted_tokens == 3 * last.cycles
+    assert last.tokens_per_cycle == pytest.approx(29 / last.cycles)
+    assert 0 <= last.acceptance_rate <= 1
+    assert "".join(r.text for r in responses) == generate(model, tokenizer, "class Stack:", max_tokens=30)
+
+
+def test_from_draft_with_a_draft_that_is_always_right(pair):
+    """Give the target's own continuation as the draft's proposals: every token but bonuses is drafted."""
+    from tests.test_lossless import OracleDraft
+
+    model, tokenizer = pair
+    prompt = tokenizer.encode("def fibonacci(n):")
+    alone = [r.token for r in stream_generate(model.target, tokenizer, prompt, max_tokens=40)]
+    oracle = OracleDraft(prompt + alone, 4, schedule=[3])  # 3 = no corrupted slot
+    oracle.mask_token_id = tiny.target_config()["vocab_size"] - 1
+    from dflash_mlx.api import DFlashModel
+
+    responses = list(stream_generate(DFlashModel(model.target, oracle), tokenizer, prompt, max_tokens=25, block_tokens=4))
+    assert [r.token for r in responses] == alone[:25]
+    # Token 0 comes from prefill; then each cycle commits 3 drafted tokens and 1 bonus.
+    assert [r.from_draft for r in responses] == [False] + [True, True, True, False] * 6
+    assert responses[-1].tokens_per_cycle == 4.0 and responses[-1].acceptance_rate == 1.0
+
+
+def test_prompt_forms(pair):
+    model, tokenizer = pair
+    text = "def fibonacci(n):"
+    ids = tokenizer.encode(text)
+    assert generate(model, tokenizer, text, max_tokens=8) == generate(model, tokenizer, ids, max_tokens=8)
+    assert generate(model, tokenizer, mx.array(ids), max_tokens=8) == generate(model, tokenizer, ids, max_tokens=8)
+    messages = [{"role": "user", "content": "hello"}]
+    templated = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert generate(model, tokenizer, messages, max_tokens=8) == generate(model, tokenizer, list(templated), max_tokens=8)
+    no_think = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, enable_thinking=False)
+    assert "<think>" in no_think
+    with pytest.raises(TypeError, match="prompt must be"):
+        generate(model, tokenizer, [1.5, 2.5])
+
+
+def test_stop_strings_and_eos(pair):
+    model, tokenizer = pair
+    full = list(stream_generate(model, tokenizer, "The quick", max_tokens=30))
+    text = "".join(r.text for r in full)
+    stop = text[10:14]
+    stopped = list(stream_generate(model, tokenizer, "The quick", max_tokens=30, stop=[stop], block_tokens=8))
+    assert "".join(r.text for r in stopped) == text[: text.index(stop)]
+    assert stopped[-1].finish_reason == "stop"
+    eos = full[6].token
+    tokenizer.eos_token_ids = {eos}
+    try:
+        ended = list(stream_generate(model, tokenizer, "The quick", max_tokens=30, block_tokens=8))
+    finally:
+        tokenizer.eos_token_ids = set()
+    assert [r.token for r in ended] == [r.token for r in full][: [r.token for r in full].index(eos) + 1]
+    assert ended[-1].finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible(pair):
+    model, tokenizer = pair
+    a = generate(model, tokenizer, "def", max_tokens=20, temp=0.9, top_p=0.95, seed=3)
+    b = generate(model, tokenizer, "def", max_tokens=20, sampler=Sampler(0.9, top_p=0.95), seed=3)
+    assert a == b
+
+
+def test_bad_arguments(pair):
+    model, tokenizer = pair
+    with pytest.raises(ValueError, match="block_tokens=32"):
+        generate(model, tokenizer, "x", block_tokens=32)
+    with pytest.raises(ValueError, match="max_tokens"):
+        generate(model, tokenizer, "x", max_tokens=0)
+    with pytest.raises(TypeError, match="dflash_mlx.Sampler"):
+        generate(model, tokenizer, "x", sampler=lambda logits: mx.argmax(logits, -1))
+    with pytest.raises(ValueError, match="empty"):
+        generate(model, tokenizer, [])
+
+
+def test_load_errors(tmp_path):
+    from dflash_mlx.loading import CheckpointError
+
+    with pytest.raises(CheckpointError, match="no checkpoint folder"):
+        load(str(tmp_path / "missing"))
+    target_dir, draft_dir = tiny.write_pair(tmp_path)
+    with pytest.raises(ValueError, match="bad quantization"):
+        load(str(target_dir), draft=str(draft_dir), draft_quant="w5:gs7")
+    model, _ = load(str(target_dir), draft=str(draft_dir), draft_quant="w4:gs32")
+    assert model.draft.fc.bits == 4

@@ -1,0 +1,52 @@
+"""The README's quick start and the console script, run for real in subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args, input=None):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(args, capture_output=True, text=True, input=input, env=env, timeout=300, cwd=ROOT)
+
+
+def test_readme_quick_start_runs_as_written(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    assert "python examples/quickstart.py /tmp/dflash-tiny" in readme
+    done = run(sys.executable, "examples/quickstart.py", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert "speculative output == target-only output" in done.stdout
+    cli = run(
+        sys.executable, "-m", "dflash_mlx.cli", "generate", "--model", str(tmp_path / "target"),
+        "--draft", str(tmp_path / "draft"), "--prompt", "def fibonacci(n):", "--block-tokens", "8",
+        "--max-tokens", "64", "--json",
+    )
+    assert cli.returncode == 0, cli.stderr
+    spec = json.loads(cli.stdout)
+    alone = run(
+        sys.executable, "-m", "dflash_mlx.cli", "generate", "--model", str(tmp_path / "target"),
+        "--max-tokens", "64", "--json", input="def fibonacci(n):",
+    )
+    assert json.loads(alone.stdout)["tokens"] == spec["tokens"] and len(spec["tokens"]) == 64
+    assert spec["finish_reason"] == "length" and spec["cycles"] == 63
+
+
+def test_cli_errors_are_one_clear_line(tmp_path):
+    missing = run(sys.executable, "-m", "dflash_mlx.cli", "generate", "--model", str(tmp_path / "nope"), "-p", "x")
+    assert missing.returncode == 1
+    assert missing.stderr.strip().splitlines() == [f"error: no checkpoint folder at {tmp_path / 'nope'} (and it is not a Hugging Face repo id)"]
+    from dflash_mlx import tiny
+
+    target, draft = tiny.write_pair(tmp_path)
+    for flags, message in (
+        (["--block-tokens", "99"], "block_tokens=99 must be between 1 and the draft's block size 16"),
+        (["--draft-quant", "w3:gs2"], "bad quantization 'w3:gs2'"),
+    ):
+        bad = run(sys.executable, "-m", "dflash_mlx.cli", "generate", "-m", str(target), "-d", str(draft), "-p", "x", *flags)
+        assert bad.returncode == 1 and message in bad.stderr and "Traceback" not in bad.stderr
