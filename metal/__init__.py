@@ -1,0 +1,1 @@
+"""Metal kernel sources, shipped inside the package as ``dflash_mlx.metal``."""
