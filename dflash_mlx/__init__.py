@@ -1,9 +1,28 @@
-"""dflash-mlx: lossless DFlash speculative decoding for Qwen3.5 models on MLX."""
+"""dflash-mlx: lossless DFlash speculative decoding for Qwen3.5 models on MLX.
 
-from .api import DFlashModel, GenerationResponse, generate, load, stream_generate
-from .sampling import Sampler
+Names load on first use, so that commands which never decode (``convert``, ``--help``) start
+without importing mlx-lm and transformers.
+"""
 
-make_sampler = Sampler
+import importlib
 
-__all__ = ["load", "generate", "stream_generate", "DFlashModel", "GenerationResponse", "Sampler", "make_sampler"]
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "load": "api",
+    "generate": "api",
+    "stream_generate": "api",
+    "DFlashModel": "api",
+    "GenerationResponse": "api",
+    "Sampler": "sampling",
+    "make_sampler": "sampling",
+    "convert_draft": "convert",
+    "convert_target": "convert",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -67,9 +67,10 @@ def load(
     model = DFlashModel(target, target_path=target_path, draft_window=draft_window)
     if draft is not None:
         model.draft_path = loading.resolve_path(draft, draft_revision)
-        model.draft, _ = loading.load_draft(model.draft_path)
+        model.draft, draft_config = loading.load_draft(model.draft_path)
         model.draft.bind(target)
         warn_if_mask_is_a_token(model.draft.mask_token_id, tokenizer)
+        warn_if_converted_for_another_tokenizer(draft_config, target_path)
         quantize_draft(model.draft, draft_quant)
         mx.eval(model.draft.parameters())
     elif draft_quant not in (None, "none"):
@@ -86,6 +87,22 @@ def warn_if_mask_is_a_token(mask_token_id: int, tokenizer) -> Optional[str]:
     message = (
         f"draft mask_token_id {mask_token_id} is the real token {token!r} of the target's tokenizer: "
         "the draft cannot tell masked slots from that token (convert the draft for this tokenizer)"
+    )
+    warnings.warn(message, stacklevel=3)
+    return message
+
+
+def warn_if_converted_for_another_tokenizer(draft_config: Dict[str, Any], target_path: Path) -> Optional[str]:
+    """A converted draft records its target's tokenizer; a different one deserves a warning."""
+    from .convert import METADATA_KEY, tokenizer_fingerprint
+
+    meta = draft_config.get(METADATA_KEY) or {}
+    recorded = meta.get("target_tokenizer_sha256")
+    if not recorded or tokenizer_fingerprint(target_path) == recorded:
+        return None
+    message = (
+        f"this draft was converted for the tokenizer of {meta.get('target')!r}, which differs from the loaded "
+        "target's; re-run `dflash-mlx convert` for this target"
     )
     warnings.warn(message, stacklevel=3)
     return message

@@ -85,5 +85,55 @@ def generate(
         typer.secho(line, dim=True, err=True)
 
 
+@app.command()
+def convert(
+    out: str = typer.Option(..., "--out", "-o", help="Output folder for the MLX draft (must not exist unless --force)."),
+    draft: str = typer.Option("z-lab/Qwen3.5-9B-DFlash", "--draft", "-d", help="z-lab draft: Hugging Face repo id or local folder."),
+    target: str = typer.Option("Jackrong/Qwopus3.5-9B-Coder", "--target", "-t", help="Target whose tokenizer the draft will serve (repo id or folder); only its config and tokenizer are fetched."),
+    quant: str = typer.Option("none", "--quant", "-q", help="Quantize the draft: w4, w8, w4:gs32 … or none."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Draft revision (branch, tag or commit)."),
+    target_revision: Optional[str] = typer.Option(None, "--target-revision", help="Target revision (branch, tag or commit)."),
+    base_tokenizer: str = typer.Option("Qwen/Qwen3.5-9B", "--base-tokenizer", help="Tokenizer the draft was trained with, to name the target's extra tokens; 'none' skips that check."),
+    force: bool = typer.Option(False, "--force", help="Replace the output folder if it exists."),
+) -> None:
+    """Fetch a z-lab draft, check it against a target's tokenizer, write a ready MLX draft.
+
+    Honours HF_HOME, HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE; interrupted downloads resume.
+    """
+    from .convert import ConversionError, convert_draft
+
+    try:
+        path, report = convert_draft(
+            out, draft=draft, target=target, quant=quant, revision=revision, target_revision=target_revision,
+            base_tokenizer=None if base_tokenizer.lower() == "none" else base_tokenizer, force=force,
+        )
+    except (ConversionError, ValueError) as e:
+        _fail(str(e))
+    for check in report.checks:
+        colour = {"ok": typer.colors.GREEN, "warning": typer.colors.YELLOW}.get(check["status"], typer.colors.RED)
+        typer.secho(f"{check['status']:>7}  {check['check']}: {check['detail']}", fg=colour, err=True)
+    if report.warnings:
+        typer.secho(f"WARNING: {len(report.warnings)} suspicious fit(s), recorded in {path}/config.json", fg=typer.colors.YELLOW, bold=True, err=True)
+    typer.echo(str(path))
+
+
+@app.command("convert-target")
+def convert_target(
+    model: str = typer.Option(..., "--model", "-m", help="Hugging Face Qwen3.5 checkpoint: repo id or local folder."),
+    out: str = typer.Option(..., "--out", "-o", help="Output folder for the MLX checkpoint (must not exist unless --force)."),
+    quant: str = typer.Option("none", "--quant", "-q", help="Quantize: w4, w8, w4:gs32 … or none."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Revision (branch, tag or commit)."),
+    force: bool = typer.Option(False, "--force", help="Replace the output folder if it exists."),
+) -> None:
+    """Convert a Hugging Face Qwen3.5 target to a text-only MLX checkpoint (vision tower and MTP dropped)."""
+    from .convert import ConversionError, convert_target as run
+
+    try:
+        path = run(model, out, quant=quant, revision=revision, force=force)
+    except (ConversionError, ValueError) as e:
+        _fail(str(e))
+    typer.echo(str(path))
+
+
 if __name__ == "__main__":
     app()

@@ -11,7 +11,6 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .models import dflash as dflash_model
-from .models import qwen3_5
 
 WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
 
@@ -84,7 +83,10 @@ def quantize_from_config(model: nn.Module, quantization: Dict[str, Any], weights
     )
 
 
-def load_target(path: Path, dtype: Optional[mx.Dtype] = None) -> Tuple[qwen3_5.Model, Dict[str, Any]]:
+def load_target(path: Path, dtype: Optional[mx.Dtype] = None) -> Tuple[Any, Dict[str, Any]]:
+    """A Qwen3.5 target (``models.qwen3_5.Model``) and its config."""
+    from .models import qwen3_5
+
     config = read_config(path)
     model_type = config.get("model_type", "")
     if model_type not in ("qwen3_5", "qwen3_5_text"):

@@ -103,3 +103,8 @@ def accept(
     residual = mx.where(mass > 0, residual / mx.maximum(mass, 1e-30), p[:n])
     candidates = categorical(mx.concatenate([residual, p[n:]], axis=0))
     return accepted, candidates[accepted]
+
+
+def make_sampler(temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> Sampler:
+    """mlx-lm's name for it."""
+    return Sampler(temp, top_p, top_k, min_p)

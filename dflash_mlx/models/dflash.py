@@ -12,7 +12,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.rope_utils import initialize_rope
 
 def evenly_spaced_layer_ids(num_target_layers: int, num_draft_layers: int) -> List[int]:
     """z-lab's default taps when a config does not list them."""
@@ -241,13 +240,18 @@ class DFlashDraft(nn.Module):
         self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.layers = [DraftLayer(args, t) for t in args.layer_types]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.rope = initialize_rope(
-            args.head_dim,
-            base=args.rope_theta,
-            traditional=False,
-            scaling_config=args.rope_scaling,
-            max_position_embeddings=args.max_position_embeddings,
-        )
+        if args.rope_scaling:
+            from mlx_lm.models.rope_utils import initialize_rope
+
+            self.rope = initialize_rope(
+                args.head_dim,
+                base=args.rope_theta,
+                traditional=False,
+                scaling_config=args.rope_scaling,
+                max_position_embeddings=args.max_position_embeddings,
+            )
+        else:
+            self.rope = nn.RoPE(args.head_dim, traditional=False, base=args.rope_theta)
         # Bound methods of the target (plain attributes, so not draft parameters).
         self._embed: Optional[Callable] = None
         self._head: Optional[Callable] = None

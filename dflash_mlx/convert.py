@@ -1,0 +1,368 @@
+"""Converters: a z-lab draft checked against and packaged for a target's tokenizer; HF targets to MLX.
+
+z-lab's drafts were trained for the base Qwen3.5 tokenizer. A target such as Qwopus3.5-9B-Coder
+adds tokens (ids 248070..248076), and older drafts use mask id 248070, one of them. ``convert_draft``
+fetches only what it needs (draft weights and config; the target's config and tokenizer, never
+its weights), checks the pair, and writes an MLX draft folder that records the checks.
+Every output is written to a temporary folder and renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from . import loading
+from .models.dflash import DraftArgs, evenly_spaced_layer_ids, quantize_draft
+
+DEFAULT_DRAFT = "z-lab/Qwen3.5-9B-DFlash"
+DEFAULT_TARGET = "Jackrong/Qwopus3.5-9B-Coder"
+# The tokenizer z-lab's Qwen3.5 drafts were trained with.
+DEFAULT_BASE_TOKENIZER = "Qwen/Qwen3.5-9B"
+
+DRAFT_FILES = ["config.json", "*.safetensors", "*.safetensors.index.json"]
+TOKENIZER_FILES = [
+    "config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+    "merges.txt", "added_tokens.json", "chat_template.json", "chat_template.jinja", "generation_config.json",
+    "tokenizer.model",
+]
+TARGET_FILES = TOKENIZER_FILES + ["*.safetensors", "*.safetensors.index.json", "preprocessor_config.json"]
+METADATA_KEY = "dflash_mlx"
+
+
+class ConversionError(RuntimeError):
+    """A conversion that cannot produce a correct output; the message says what to do."""
+
+
+@dataclass
+class PairReport:
+    """What the checks of a draft/target pair found."""
+
+    checks: List[Dict[str, str]] = field(default_factory=list)
+    warnings: List[str] = field(default_factory=list)
+    errors: List[str] = field(default_factory=list)
+
+    def record(self, name: str, ok: bool, detail: str, severity: str = "error") -> None:
+        status = "ok" if ok else severity
+        self.checks.append({"check": name, "status": status, "detail": detail})
+        if not ok:
+            (self.errors if severity == "error" else self.warnings).append(detail)
+
+
+def fetch(repo_or_path: str, patterns: List[str], revision: Optional[str] = None) -> Tuple[Path, str]:
+    """A local folder, or the listed files of a Hugging Face repo (HF_HOME, HF_TOKEN,
+    HF_HUB_OFFLINE and resumable downloads are huggingface_hub's own). Returns the folder and
+    the revision it holds."""
+    path = Path(repo_or_path).expanduser()
+    if path.is_dir():
+        return path, "local"
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        folder = Path(snapshot_download(repo_or_path, revision=revision, allow_patterns=patterns))
+    except RepositoryNotFoundError as e:
+        raise ConversionError(f"repo {repo_or_path} not found on the Hub (private? set HF_TOKEN)") from e
+    except RevisionNotFoundError as e:
+        raise ConversionError(f"repo {repo_or_path} has no revision {revision!r}") from e
+    except LocalEntryNotFoundError as e:
+        raise ConversionError(
+            f"cannot download {repo_or_path}: the Hub is unreachable (or HF_HUB_OFFLINE is set) and it is not "
+            "in the local cache"
+        ) from e
+    except (HfHubHTTPError, EntryNotFoundError, OSError) as e:
+        raise ConversionError(f"download of {repo_or_path} failed: {e}") from e
+    except Exception as e:  # httpx transport errors (connection reset mid-file, ...)
+        raise ConversionError(f"download of {repo_or_path} failed: {type(e).__name__}: {e}") from e
+    return folder, folder.name
+
+
+class _Vocabulary:
+    """The parts of a tokenizer the checks need, read straight from ``tokenizer.json``."""
+
+    def __init__(self, folder: Path):
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+
+    def __len__(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def get_vocab(self) -> Dict[str, int]:
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    def convert_ids_to_tokens(self, ids):
+        return [self._tok.id_to_token(i) for i in ids] if isinstance(ids, list) else self._tok.id_to_token(ids)
+
+
+def tokenizer_fingerprint(folder: Path) -> Optional[str]:
+    """sha256 of a tokenizer's vocabulary (token -> id, added tokens included)."""
+    tokenizer = _tokenizer(folder)
+    if tokenizer is None:
+        return None
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+
+
+def _tokenizer(folder: Path):
+    try:
+        if (folder / "tokenizer.json").exists():
+            return _Vocabulary(folder)
+        if not any((folder / f).exists() for f in ("tokenizer.model", "vocab.json")):
+            return None
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:
+        raise ConversionError(f"cannot read the tokenizer in {folder}: {e}") from e
+
+
+def _text_config(config: Dict) -> Dict:
+    return config.get("text_config") or config
+
+
+def check_pair(draft_config: Dict, target_dir: Path, base_tokenizer_dir: Optional[Path] = None) -> PairReport:
+    """Does this draft fit this target and its tokenizer? Hard mismatches are errors; a mask id
+    on a real token, or tokens the draft never saw, are warnings that name the tokens."""
+    report = PairReport()
+    target = _text_config(loading.read_config(target_dir))
+    args = DraftArgs.from_dict(draft_config)
+    hidden, layers, rows = target["hidden_size"], target["num_hidden_layers"], target["vocab_size"]
+    report.record(
+        "hidden_size", args.hidden_size == hidden,
+        f"draft hidden_size {args.hidden_size}, target {hidden}"
+        + ("" if args.hidden_size == hidden else ": this draft was made for another model size"),
+    )
+    ids = list(args.target_layer_ids or evenly_spaced_layer_ids(layers, args.num_hidden_layers))
+    bad = [i for i in ids if not 0 <= i < layers]
+    report.record(
+        "target_layer_ids", not bad,
+        f"taps {ids} of a {layers}-layer target" + (f": {bad} do not exist" if bad else ""),
+    )
+    mask = args.mask_token_id
+    report.record(
+        "mask_token_id in embedding", 0 <= mask < rows,
+        f"mask id {mask}, target embedding has {rows} rows"
+        + ("" if 0 <= mask < rows else ": the draft's mask cannot be embedded by this target"),
+    )
+    tokenizer = _tokenizer(target_dir)
+    if tokenizer is None:
+        report.record("tokenizer", False, f"{target_dir} has no tokenizer files")
+        return report
+    size = len(tokenizer)
+    report.record(
+        "tokenizer fits embedding", size <= rows,
+        f"tokenizer has {size} tokens for {rows} embedding rows"
+        + ("" if size <= rows else ": token ids past the table would crash the target"),
+    )
+    if mask < size:
+        report.record(
+            "mask_token_id is not a token", False,
+            f"mask id {mask} is the real token {tokenizer.convert_ids_to_tokens(mask)!r} of the target's tokenizer: "
+            "the draft will take that token for a mask; use a draft with a mask id outside the tokenizer",
+            severity="warning",
+        )
+    else:
+        report.record("mask_token_id is not a token", True, f"mask id {mask} is past the tokenizer's {size} tokens")
+    base = _tokenizer(base_tokenizer_dir) if base_tokenizer_dir is not None else None
+    if base is not None:
+        new_ids = list(range(len(base), size))
+        names = tokenizer.convert_ids_to_tokens(new_ids)
+        listing = ", ".join(f"{i} {n!r}" for i, n in zip(new_ids, names))
+        report.record(
+            "tokens the draft never saw", not new_ids,
+            f"{len(new_ids)} target tokens beyond the draft's original {len(base)}-token vocabulary: {listing}"
+            + (f" (the mask id {mask} is one of them)" if mask in new_ids else "")
+            if new_ids else f"the target adds no tokens to the draft's {len(base)}-token vocabulary",
+            severity="warning",
+        )
+    return report
+
+
+@contextmanager
+def _staging(output: Path, force: bool) -> Iterator[Path]:
+    """A temporary folder beside ``output`` that becomes ``output`` only if the body succeeds."""
+    output = output.expanduser().resolve()
+    if output.exists() and not force:
+        raise ConversionError(f"{output} already exists (use --force to replace it)")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
+    try:
+        yield staging
+        if output.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
+            os.replace(output, old / "previous")
+            os.replace(staging, output)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(staging, output)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def normalized_draft_config(args: DraftArgs, target_layer_ids: List[int]) -> Dict:
+    """One schema for every draft we write: z-lab's nested one."""
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": args.hidden_size,
+        "num_hidden_layers": args.num_hidden_layers,
+        "num_attention_heads": args.num_attention_heads,
+        "num_key_value_heads": args.num_key_value_heads,
+        "head_dim": args.head_dim,
+        "intermediate_size": args.intermediate_size,
+        "rms_norm_eps": args.rms_norm_eps,
+        "max_position_embeddings": args.max_position_embeddings,
+        "attention_bias": args.attention_bias,
+        "layer_types": args.layer_types,
+        "rope_parameters": args.rope_scaling or {"rope_type": "default", "rope_theta": args.rope_theta},
+        "dflash_config": {
+            "block_size": args.block_size,
+            "mask_token_id": args.mask_token_id,
+            "target_layer_ids": target_layer_ids,
+        },
+    }
+    config["rope_parameters"].setdefault("rope_theta", args.rope_theta)
+    if args.sliding_window:
+        config["sliding_window"] = args.sliding_window
+    if args.is_causal is not None:
+        config["is_causal"] = args.is_causal
+    if args.vocab_size is not None:
+        config["vocab_size"] = args.vocab_size
+    return config
+
+
+def _model_card(meta: Dict) -> str:
+    lines = [
+        "# DFlash draft for dflash-mlx",
+        "",
+        f"- draft: `{meta['draft']}` (revision `{meta['draft_revision']}`)",
+        f"- target tokenizer: `{meta['target']}` (revision `{meta['target_revision']}`)",
+        f"- base tokenizer the draft was trained with: `{meta['base_tokenizer']}`",
+        f"- quantization: {meta['quantization'] or 'none'}",
+        f"- target tokenizer sha256 (vocabulary): `{meta['target_tokenizer_sha256']}`",
+        "",
+        "## Checks",
+        "",
+        "| check | status | detail |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {c['check']} | {c['status']} | {c['detail']} |" for c in meta["checks"]]
+    if meta["warnings"]:
+        lines += ["", "## Warnings", ""] + [f"- {w}" for w in meta["warnings"]]
+    lines += ["", "Use it with `dflash_mlx.load(target, draft=<this folder>)`.", ""]
+    return "\n".join(lines)
+
+
+def convert_draft(
+    output: str | Path,
+    draft: str = DEFAULT_DRAFT,
+    target: str = DEFAULT_TARGET,
+    quant: Optional[str] = None,
+    revision: Optional[str] = None,
+    target_revision: Optional[str] = None,
+    base_tokenizer: Optional[str] = DEFAULT_BASE_TOKENIZER,
+    force: bool = False,
+) -> Tuple[Path, PairReport]:
+    """Fetch, check and write a ready-to-run MLX draft for ``target``'s tokenizer."""
+    output = Path(output)
+    if output.exists() and not force:
+        raise ConversionError(f"{output} already exists (use --force to replace it)")
+    quantize_draft_spec = quant if quant not in (None, "", "none") else None
+    if quantize_draft_spec:
+        from .models.dflash import parse_quant
+
+        parse_quant(quantize_draft_spec)  # a bad spec fails before any download
+    draft_dir, draft_rev = fetch(draft, DRAFT_FILES, revision)
+    target_dir, target_rev = fetch(target, TOKENIZER_FILES, target_revision)
+    base_dir = None
+    if base_tokenizer:
+        base_dir, _ = fetch(base_tokenizer, TOKENIZER_FILES)
+    draft_config = loading.read_config(draft_dir)
+    try:
+        report = check_pair(draft_config, target_dir, base_dir)
+    except (KeyError, ValueError) as e:
+        raise ConversionError(f"cannot check the pair: {e}") from e
+    if report.errors:
+        raise ConversionError("the draft does not fit the target:\n  - " + "\n  - ".join(report.errors))
+    try:
+        model, _ = loading.load_draft(draft_dir)
+    except (loading.CheckpointError, ValueError) as e:
+        raise ConversionError(str(e)) from e
+    target_layers = _text_config(loading.read_config(target_dir))["num_hidden_layers"]
+    ids = list(model.args.target_layer_ids or evenly_spaced_layer_ids(target_layers, model.args.num_hidden_layers))
+    quantization = quantize_draft(model, quantize_draft_spec)
+    config = normalized_draft_config(model.args, ids)
+    meta = {
+        "draft": draft, "draft_revision": draft_rev, "target": target, "target_revision": target_rev,
+        "base_tokenizer": base_tokenizer, "quantization": quantization,
+        "target_tokenizer_sha256": tokenizer_fingerprint(target_dir),
+        "checks": report.checks, "warnings": report.warnings,
+    }
+    config[METADATA_KEY] = meta
+    if quantization:
+        config["quantization"] = quantization
+    with _staging(output, force) as staging:
+        mx.save_safetensors(str(staging / "model.safetensors"), dict(tree_flatten(model.parameters())))
+        (staging / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+        for name in TOKENIZER_FILES:
+            if name != "config.json" and (target_dir / name).exists():
+                shutil.copy(target_dir / name, staging / name)
+        (staging / "README.md").write_text(_model_card(meta))
+    return output, report
+
+
+def convert_target(
+    model: str,
+    output: str | Path,
+    quant: Optional[str] = None,
+    revision: Optional[str] = None,
+    force: bool = False,
+) -> Path:
+    """A Hugging Face Qwen3.5 checkpoint -> text-only MLX checkpoint (optionally 4/8-bit)."""
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    from .models.dflash import parse_quant
+
+    output = Path(output)
+    if output.exists() and not force:
+        raise ConversionError(f"{output} already exists (use --force to replace it)")
+    parsed = parse_quant(quant)
+    source, _ = fetch(model, TARGET_FILES, revision)
+    try:
+        target, config = loading.load_target(source)
+    except loading.CheckpointError as e:
+        raise ConversionError(str(e)) from e
+    text = dict(_text_config(config))
+    text["model_type"] = "qwen3_5_text"
+    text["architectures"] = ["Qwen3_5ForCausalLM"]
+    for key in ("tie_word_embeddings", "eos_token_id"):
+        if key not in text and key in config:
+            text[key] = config[key]
+    text.pop("quantization", None)
+    if parsed:
+        bits, group_size = parsed
+        target, text = quantize_model(target, text, group_size=group_size, bits=bits)
+    with _staging(output, force) as staging:
+        save_model(staging, target, donate_model=True)
+        save_config(text, staging / "config.json")
+        for name in TOKENIZER_FILES:
+            if name != "config.json" and (source / name).exists():
+                shutil.copy(source / name, staging / name)
+    return output

@@ -1,0 +1,213 @@
+"""`dflash-mlx convert` against a local fake Hugging Face Hub, in the real file layouts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dflash_mlx import load, tiny
+from dflash_mlx.sampling import Sampler
+from dflash_mlx.speculative import speculative, target_only
+from tests.fake_hub import FakeHub
+from tests.test_lossless import take
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE_VOCAB = 248070  # Qwen3.5's tokenizer: ids 0..248069
+ADDED = ["<|audio_start|>", "<|audio_end|>", "<|audio_bos|>", "<|audio_eos|>", "<|audio_sep|>", "<|audio_mask|>", "<|audio_pad|>"]
+EMBEDDING_ROWS = 248320
+
+
+def write_qwen_tokenizer(path: Path, added=()) -> None:
+    """A word-level tokenizer with Qwen3.5's size and special-token ids (plus ``added`` at the end)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = {248044: "<|endoftext|>", 248045: "<|im_start|>", 248046: "<|im_end|>", 248068: "<think>", 248069: "</think>"}
+    vocab = {f"w{i}": i for i in range(248044)}
+    for i in range(248044, BASE_VOCAB):
+        vocab[specials.get(i, f"<|special_{i}|>")] = i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", chat_template=tiny.CHAT_TEMPLATE)
+    fast.add_special_tokens({"additional_special_tokens": list(specials.values())})
+    if added:
+        fast.add_tokens(list(added), special_tokens=True)
+    fast.save_pretrained(str(path))
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Repos of a fake hub, and a local tiny target with the Qwopus-sized vocabulary."""
+    root = tmp_path_factory.mktemp("hub")
+    target_config = tiny.target_config(EMBEDDING_ROWS, tie_word_embeddings=True, eos_token_id=248046)
+    base = root / "base"
+    base.mkdir()
+    write_qwen_tokenizer(base)
+    (base / "config.json").write_text(json.dumps(target_config))
+    qwopus = root / "qwopus"
+    qwopus.mkdir()
+    write_qwen_tokenizer(qwopus, ADDED)
+    (qwopus / "config.json").write_text(json.dumps(target_config))
+    (qwopus / "model.safetensors").write_bytes(b"\0" * 4096)  # weights the converter must never fetch
+    drafts = {
+        "nested": tiny.draft_config(target_config, mask_token_id=248077, block_size=8),
+        "legacy": tiny.draft_config(target_config, mask_token_id=248070, block_size=8, schema="legacy"),
+        "other-size": tiny.draft_config(tiny.target_config(EMBEDDING_ROWS, hidden_size=32, head_dim=16), mask_token_id=248077),
+        "bad-taps": tiny.draft_config(target_config, mask_token_id=248077, target_layer_ids=[1, 7]),
+        "bad-mask": tiny.draft_config(target_config, mask_token_id=EMBEDDING_ROWS + 5),
+    }
+    for name, config in drafts.items():
+        tiny.write_draft(root / name, config, seed=2, dtype=np.float32)
+    corrupt = root / "corrupt"
+    shutil.copytree(root / "nested", corrupt)
+    (corrupt / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}" + b"\0" * 64)
+    local_target = root / "local-target"
+    tiny.write_target(local_target, target_config, seed=4)
+    write_qwen_tokenizer(local_target, ADDED)
+    return root, local_target
+
+
+@pytest.fixture()
+def hub(world):
+    root, _ = world
+    with FakeHub() as hub:
+        hub.add("Qwen/Qwen3.5-9B", root / "base")
+        hub.add("Jackrong/Qwopus3.5-9B-Coder", root / "qwopus")
+        hub.add("z-lab/Qwen3.5-9B-DFlash", root / "nested")
+        for name in ("legacy", "other-size", "bad-taps", "bad-mask", "corrupt"):
+            hub.add(f"z-lab/{name}", root / name)
+        yield hub
+
+
+def run_cli(hub, tmp_path, *args, offline=False):
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_DISABLE_XET": "1"}
+    env.pop("HF_HUB_OFFLINE", None)
+    if offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    return subprocess.run(
+        [sys.executable, "-m", "dflash_mlx.cli", "convert", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+    )
+
+
+def test_default_pair_converts_with_named_warnings(hub, tmp_path, world):
+    out = tmp_path / "draft-qwopus"
+    done = run_cli(hub, tmp_path, "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    config = json.loads((out / "config.json").read_text())
+    meta = config["dflash_mlx"]
+    assert config["dflash_config"] == {"block_size": 8, "mask_token_id": 248077, "target_layer_ids": [1, 2]}
+    assert meta["draft"] == "z-lab/Qwen3.5-9B-DFlash" and meta["draft_revision"] == hub.commit("z-lab/Qwen3.5-9B-DFlash")
+    [added] = meta["warnings"]
+    assert "7 target tokens beyond the draft's original 248070-token vocabulary" in added
+    assert "248070 '<|audio_start|>'" in added and "248076 '<|audio_pad|>'" in added
+    assert "mask id" not in added  # 248077 is past the tokenizer
+    assert (out / "tokenizer.json").exists() and (out / "README.md").exists()
+    assert "Qwopus3.5-9B-Coder" in (out / "README.md").read_text()
+    # Only config and tokenizer of the target: never its weights.
+    assert not any("qwopus" in p.lower() and p.endswith(".safetensors") for _, p in hub.requests)
+    assert "tokens the draft never saw" in done.stderr
+
+
+def test_legacy_draft_with_mask_on_a_real_token_is_loudly_flagged(hub, tmp_path):
+    out = tmp_path / "legacy"
+    done = run_cli(hub, tmp_path, "--draft", "z-lab/legacy", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert "block_size" not in config and config["dflash_config"]["mask_token_id"] == 248070  # normalized schema
+    warnings = " ".join(config["dflash_mlx"]["warnings"])
+    assert "mask id 248070 is the real token '<|audio_start|>'" in warnings
+    assert "(the mask id 248070 is one of them)" in warnings
+    assert "WARNING: 2 suspicious fit(s)" in done.stderr
+
+
+def test_converted_drafts_load_and_are_lossless_w4_smaller(hub, tmp_path, world):
+    _, local_target = world
+    plain, w4 = tmp_path / "plain", tmp_path / "w4"
+    assert run_cli(hub, tmp_path, "--out", str(plain)).returncode == 0
+    assert run_cli(hub, tmp_path, "--out", str(w4), "--quant", "w4:gs32").returncode == 0
+    size = lambda d: (d / "model.safetensors").stat().st_size  # noqa: E731
+    assert size(w4) < 0.4 * size(plain)
+    assert json.loads((w4 / "config.json").read_text())["quantization"] == {"group_size": 32, "bits": 4}
+    prompt = mx.array([11, 248045, 500, 9000, 248046, 77], dtype=mx.int32)
+    for folder in (plain, w4):
+        model, _ = load(str(local_target), draft=str(folder))
+        expected, _ = take(target_only(model.target, prompt, Sampler()), 16)
+        got, _ = take(speculative(model.target, model.draft, prompt, Sampler(), block_tokens=8), 16)
+        assert got == expected
+
+
+def test_offline_and_resumed_downloads(hub, tmp_path):
+    hub.break_after[("z-lab/Qwen3.5-9B-DFlash", "model.safetensors")] = 1000
+    broken = run_cli(hub, tmp_path, "--out", str(tmp_path / "a"))
+    assert broken.returncode == 1 and "download of z-lab/Qwen3.5-9B-DFlash failed" in broken.stderr
+    assert not (tmp_path / "a").exists() and not list(tmp_path.glob(".a.*"))
+    hub.break_after.clear()
+    assert run_cli(hub, tmp_path, "--out", str(tmp_path / "a")).returncode == 0
+    # Everything is cached now: offline works, and a later run needs no network.
+    offline = run_cli(hub, tmp_path, "--out", str(tmp_path / "b"), offline=True)
+    assert offline.returncode == 0, offline.stderr
+    missing = run_cli(hub, tmp_path, "--draft", "z-lab/legacy", "--out", str(tmp_path / "c"), offline=True)
+    assert missing.returncode == 1 and "HF_HUB_OFFLINE" in missing.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--draft", "z-lab/does-not-exist"], "repo z-lab/does-not-exist not found"),
+        (["--draft", "z-lab/corrupt"], "cannot read"),
+        (["--draft", "z-lab/other-size"], "draft hidden_size 32, target 64: this draft was made for another model size"),
+        (["--draft", "z-lab/bad-taps"], "taps [1, 7] of a 4-layer target: [7] do not exist"),
+        (["--draft", "z-lab/bad-mask"], "mask id 248325, target embedding has 248320 rows"),
+        (["--quant", "w5:gs3"], "bad quantization"),
+    ],
+)
+def test_bad_inputs_fail_cleanly(hub, tmp_path, args, message):
+    out = tmp_path / "out"
+    done = run_cli(hub, tmp_path, *args, "--out", str(out))
+    assert done.returncode == 1, done.stdout
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert not out.exists() and not list(tmp_path.glob(".out.*"))
+
+
+def test_existing_output_needs_force(hub, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    done = run_cli(hub, tmp_path, "--out", str(out))
+    assert done.returncode == 1 and "already exists (use --force" in done.stderr
+    assert (out / "keep.txt").exists()
+    assert run_cli(hub, tmp_path, "--out", str(out), "--force").returncode == 0
+    assert (out / "config.json").exists() and not (out / "keep.txt").exists()
+
+
+def test_draft_for_another_tokenizer_warns_on_load(hub, tmp_path, world):
+    _, local_target = world
+    out = tmp_path / "draft"
+    assert run_cli(hub, tmp_path, "--out", str(out), "--target", "Qwen/Qwen3.5-9B").returncode == 0
+    with pytest.warns(UserWarning, match="converted for the tokenizer of 'Qwen/Qwen3.5-9B'"):
+        load(str(local_target), draft=str(out))
+
+
+def test_target_conversion_loads_in_ours(hf_target_dir, target, tmp_path):
+    from dflash_mlx.convert import ConversionError, convert_target
+    from dflash_mlx.loading import load_target
+
+    prompt = mx.array([[5, 17, 300, 42, 99, 7]])
+    convert_target(str(hf_target_dir), tmp_path / "f32")
+    converted, config = load_target(tmp_path / "f32")
+    assert config["model_type"] == "qwen3_5_text"
+    np.testing.assert_array_equal(np.array(converted(prompt)), np.array(target(prompt)))
+    convert_target(str(hf_target_dir), tmp_path / "q4", quant="w4:gs32")
+    quantized, config = load_target(tmp_path / "q4")
+    assert config["quantization"]["bits"] == 4 and np.isfinite(np.array(quantized(prompt))).all()
+    assert (tmp_path / "q4" / "tokenizer.json").exists()
+    with pytest.raises(ConversionError, match="already exists"):
+        convert_target(str(hf_target_dir), tmp_path / "q4")
