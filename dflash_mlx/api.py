@@ -16,6 +16,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from . import loading
 from .models.dflash import DFlashDraft, quantize_draft
 from .models.qwen3_5 import Model as Target
+from .prompt_cache import PromptCache
 from .sampling import Sampler
 from .speculative import speculative, target_only
 
@@ -41,6 +42,7 @@ class GenerationResponse(MlxLmResponse):
     accepted_tokens: int = 0  # drafted tokens that were accepted
     drafted_tokens: int = 0  # drafted tokens that were verified
     tokens_per_cycle: float = 0.0  # committed tokens per target step
+    cached_prompt_tokens: int = 0  # prompt tokens reused from a PromptCache (not prefilled)
 
     @property
     def acceptance_rate(self) -> float:
@@ -173,12 +175,15 @@ def stream_generate(
     use_draft: bool = True,
     prefill_step_size: int = 512,
     enable_thinking: Optional[bool] = None,
+    prompt_cache: Optional[PromptCache] = None,
 ) -> Iterator[GenerationResponse]:
     """Yield one response per generated token, as ``mlx_lm.stream_generate`` does.
 
     With a draft (and ``use_draft``) the tokens come from DFlash speculative decoding; the
     output is exactly what the target alone produces (greedy) or follows its distribution
     (sampling). ``from_draft`` is True for drafted tokens that the target accepted.
+    ``prompt_cache`` (a ``PromptCache``) keeps the caches between calls: a prompt that extends an
+    earlier one (the next chat turn, the same file context) only prefills what is new.
     """
     if isinstance(model, Target):
         model = DFlashModel(model)
@@ -191,14 +196,25 @@ def stream_generate(
     if seed is not None:
         mx.random.seed(seed)
     ids = encode_prompt(tokenizer, prompt, enable_thinking)
-    if model.draft is not None and use_draft:
+    draft = model.draft if use_draft else None
+    if draft is None and block_tokens not in (None, 1) and use_draft:
+        raise ValueError("block_tokens needs a draft model")
+    if draft is not None and block_tokens == 1:
+        draft = None  # no draft slot: plain decoding
+    cache = draft_cache = on_chunk = None
+    reused = 0
+    if prompt_cache is not None:
+        reused = prompt_cache.prepare(model.target, draft, ids.tolist(), model.draft_window)
+        cache, draft_cache = prompt_cache.cache, prompt_cache.draft_cache
+        on_chunk = prompt_cache.checkpoint_here
+    feed = ids[reused:]
+    if draft is not None:
         steps = speculative(
-            model.target, model.draft, ids, sampler, block_tokens, prefill_step_size, model.draft_window
+            model.target, draft, feed, sampler, block_tokens, prefill_step_size, model.draft_window,
+            cache, draft_cache, on_chunk,
         )
     else:
-        if block_tokens not in (None, 1) and model.draft is None and use_draft:
-            raise ValueError("block_tokens needs a draft model")
-        steps = target_only(model.target, ids, sampler, prefill_step_size)
+        steps = target_only(model.target, feed, sampler, prefill_step_size, cache, on_chunk)
 
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
@@ -207,9 +223,15 @@ def stream_generate(
     tic = time.perf_counter()
     prompt_tps = 0.0
     n = cycles = accepted = drafted = 0
+    pending: List[int] = []  # the last committed token: the next step feeds it
     for commit in steps:
+        if prompt_cache is not None:
+            prompt_cache.extend(pending + commit.tokens[:-1] if n else ids[reused:].tolist() + commit.tokens[:-1])
+            pending = commit.tokens[-1:]
+            if n == 0:
+                prompt_cache.checkpoint_here()
         if n == 0:
-            prompt_tps = ids.size / (time.perf_counter() - tic)
+            prompt_tps = feed.size / (time.perf_counter() - tic)
             tic = time.perf_counter()
         else:
             cycles += 1
@@ -246,6 +268,7 @@ def stream_generate(
                 accepted_tokens=accepted,
                 drafted_tokens=drafted,
                 tokens_per_cycle=(n - 1) / cycles if cycles else 0.0,
+                cached_prompt_tokens=reused,
             )
             if finish is not None:
                 return

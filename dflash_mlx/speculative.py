@@ -40,11 +40,12 @@ def prefill(
     step_size: int,
     taps: Sequence[int] = (),
     on_features=None,
+    on_chunk=None,
 ) -> mx.array:
     """Feed the prompt in chunks; returns the last position's logits [V].
 
     Each chunk's tapped features go to ``on_features`` (the draft's context cache) so that
-    memory stays bounded by the chunk size.
+    memory stays bounded by the chunk size; ``on_chunk`` runs after each chunk (checkpoints).
     """
     if prompt.size == 0:
         raise ValueError("the prompt is empty: at least one token is needed")
@@ -53,23 +54,24 @@ def prefill(
         if on_features is not None:
             on_features(features)
         mx.eval(logits, cache_arrays(cache))
+        if on_chunk is not None:
+            on_chunk()
     return logits[0, -1]
 
 
 def target_only(
-    target: Target, prompt: mx.array, sampler: Sampler, prefill_step_size: int = 512, cache=None
+    target: Target, prompt: mx.array, sampler: Sampler, prefill_step_size: int = 512, cache=None, on_chunk=None
 ) -> Iterator[Commit]:
-    """Ordinary decoding, one token per step: the baseline and the reference."""
+    """Ordinary decoding, one token per step: the baseline and the reference.
+
+    As in ``speculative``, a commit's last token is not in the cache yet when it is yielded.
+    """
     cache = target.make_cache() if cache is None else cache
-    logits = prefill(target, prompt, cache, prefill_step_size)
-    token = sampler(logits)
+    logits = prefill(target, prompt, cache, prefill_step_size, on_chunk=on_chunk)
     while True:
-        # Queue the next step before handing out this token, as mlx-lm does.
-        next_logits = target.forward(token.reshape(1, 1), cache)[0][0, -1]
-        next_token = sampler(next_logits)
-        mx.async_eval(next_token)
+        token = sampler(logits)
         yield Commit([token.item()], _logprobs(logits)[None])
-        logits, token = next_logits, next_token
+        logits = target.forward(token.reshape(1, 1), cache)[0][0, -1]
 
 
 def speculative(
@@ -82,18 +84,21 @@ def speculative(
     draft_window: Optional[int] = None,
     cache=None,
     draft_cache=None,
+    on_chunk=None,
 ) -> Iterator[Commit]:
     """DFlash decoding: each step commits the accepted draft prefix plus one target token."""
     block = block_tokens or draft.block_size
     if not 1 <= block <= draft.block_size:
         raise ValueError(f"block_tokens={block_tokens} must be between 1 and the draft's block size {draft.block_size}")
     if block == 1:  # no draft slot left: plain decoding
-        yield from target_only(target, prompt, sampler, prefill_step_size, cache)
+        yield from target_only(target, prompt, sampler, prefill_step_size, cache, on_chunk)
         return
     taps = draft.target_layer_ids
     cache = target.make_cache() if cache is None else cache
     draft_cache = draft.make_cache(draft_window) if draft_cache is None else draft_cache
-    logits = prefill(target, prompt, cache, prefill_step_size, taps, lambda f: draft.add_context(f, draft_cache))
+    logits = prefill(
+        target, prompt, cache, prefill_step_size, taps, lambda f: draft.add_context(f, draft_cache), on_chunk
+    )
     token = sampler(logits).reshape(1)
     yield Commit([token.item()], _logprobs(logits)[None])
     masks = mx.full((block - 1,), draft.mask_token_id, dtype=token.dtype)

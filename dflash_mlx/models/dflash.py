@@ -123,6 +123,13 @@ class ContextCache:
     def _capacity(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
 
+    def rewind(self, position: int) -> bool:
+        """Forget context from ``position`` on; False if that part was already dropped."""
+        if not self.start <= position <= self.offset:
+            return False
+        self.offset = position
+        return True
+
     def append(self, ctx_k: mx.array, ctx_v: mx.array) -> None:
         """Add committed context K/V (positions ``offset..``)."""
         S = ctx_k.shape[2]
