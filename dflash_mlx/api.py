@@ -176,6 +176,7 @@ def stream_generate(
     prefill_step_size: int = 512,
     enable_thinking: Optional[bool] = None,
     prompt_cache: Optional[PromptCache] = None,
+    checkpoint_at: Sequence[int] = (),
 ) -> Iterator[GenerationResponse]:
     """Yield one response per generated token, as ``mlx_lm.stream_generate`` does.
 
@@ -183,7 +184,9 @@ def stream_generate(
     output is exactly what the target alone produces (greedy) or follows its distribution
     (sampling). ``from_draft`` is True for drafted tokens that the target accepted.
     ``prompt_cache`` (a ``PromptCache``) keeps the caches between calls: a prompt that extends an
-    earlier one (the next chat turn, the same file context) only prefills what is new.
+    earlier one (the next chat turn, the same file context) only prefills what is new;
+    ``checkpoint_at`` lists prompt positions worth a checkpoint (e.g. where the next turn's
+    prompt will start to differ).
     """
     if isinstance(model, Target):
         model = DFlashModel(model)
@@ -208,13 +211,14 @@ def stream_generate(
         cache, draft_cache = prompt_cache.cache, prompt_cache.draft_cache
         on_chunk = prompt_cache.checkpoint_here
     feed = ids[reused:]
+    split_at = [p - reused for p in checkpoint_at] if prompt_cache is not None else []
     if draft is not None:
         steps = speculative(
             model.target, draft, feed, sampler, block_tokens, prefill_step_size, model.draft_window,
-            cache, draft_cache, on_chunk,
+            cache, draft_cache, on_chunk, split_at,
         )
     else:
-        steps = target_only(model.target, feed, sampler, prefill_step_size, cache, on_chunk)
+        steps = target_only(model.target, feed, sampler, prefill_step_size, cache, on_chunk, split_at)
 
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import warnings
-from typing import List, Optional
+from pathlib import Path
+from typing import Annotated, List, Optional
 
 import typer
 
@@ -27,48 +29,126 @@ def main() -> None:
     """Lossless DFlash speculative decoding for Qwen3.5 models on MLX."""
 
 
+
+# Model and decoding options shared by chat, generate and bench.
+Model = Annotated[Optional[str], typer.Option("--model", "-m", help="Target: local folder or Hugging Face repo id. Default: Qwopus3.5-9B-Coder, converted to MLX 4-bit on first use.")]
+Draft = Annotated[Optional[str], typer.Option("--draft", "-d", help="DFlash draft folder or repo id. Default with the default model: z-lab's Qwen3.5-9B draft converted for Qwopus; with --model: none (target alone).")]
+DraftQuant = Annotated[str, typer.Option("--draft-quant", help="Quantize the draft at load: w4, w8, w4:gs32 … or none.")]
+BlockTokens = Annotated[Optional[int], typer.Option("--block-tokens", "-b", help="Tokens per draft block, 1 .. the draft's block size (default: the draft's).")]
+MaxTokens = Annotated[int, typer.Option("--max-tokens", help="Stop an answer after this many tokens.")]
+Temp = Annotated[float, typer.Option("--temp", help="Sampling temperature; 0 is greedy.")]
+TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass (1.0 = off).")]
+TopK = Annotated[int, typer.Option("--top-k", help="Keep only the k most likely tokens (0 = off).")]
+Seed = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling.")]
+Think = Annotated[bool, typer.Option("--think/--no-think", help="Thinking mode of the chat template (Qwen3.5 enable_thinking).")]
+
+
+def _load(model: Optional[str], draft: Optional[str], draft_quant: str):
+    """Load (or, for the default pair, first convert) the models; one clear line on failure."""
+    from . import api
+    from .convert import ConversionError
+    from .defaults import resolve
+    from .loading import CheckpointError
+
+    try:
+        model, draft = resolve(model, draft)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loaded = api.load(model, draft=draft, draft_quant=draft_quant)
+    except (CheckpointError, ConversionError, ValueError) as e:
+        _fail(str(e))
+    for w in caught:
+        typer.secho(f"warning: {w.message}", fg=typer.colors.YELLOW, err=True)
+    return loaded
+
+
+def _check_block_tokens(loaded, block_tokens: Optional[int]) -> None:
+    draft = loaded[0].draft
+    if block_tokens is None:
+        return
+    if draft is None and block_tokens != 1:
+        _fail(f"--block-tokens {block_tokens} needs a draft (--draft)")
+    if draft is not None and not 1 <= block_tokens <= draft.block_size:
+        _fail(f"--block-tokens {block_tokens} must be between 1 and the draft's block size {draft.block_size}")
+
+
+def _sampling(temp: float, top_p: float, top_k: int, seed: Optional[int]) -> dict:
+    from .sampling import Sampler
+
+    try:
+        Sampler(temp, top_p, top_k)
+    except ValueError as e:
+        _fail(str(e))
+    return dict(temp=temp, top_p=top_p, top_k=top_k, seed=seed)
+
+
+@app.command()
+def chat(
+    model: Model = None,
+    draft: Draft = None,
+    draft_quant: DraftQuant = "none",
+    block_tokens: BlockTokens = None,
+    max_tokens: MaxTokens = 2048,
+    temp: Temp = 0.0,
+    top_p: TopP = 1.0,
+    top_k: TopK = 0,
+    seed: Seed = None,
+    system: Annotated[Optional[str], typer.Option("--system", help="System prompt.")] = None,
+    think: Think = False,
+) -> None:
+    """Chat in the terminal; answers stream as they are committed. /help lists the commands."""
+    from .chat import ChatSession, run_chat
+
+    sampling = _sampling(temp, top_p, top_k, seed)
+    loaded, tokenizer = _load(model, draft, draft_quant)
+    _check_block_tokens((loaded, tokenizer), block_tokens)
+    generation = dict(max_tokens=max_tokens, block_tokens=block_tokens, **sampling)
+    session = ChatSession(loaded, tokenizer, system=system, think=think, generation=generation)
+    run_chat(session, speculative=loaded.draft is not None)
+
+
 @app.command()
 def generate(
-    model: str = typer.Option(..., "--model", "-m", help="Target: a local checkpoint folder or a Hugging Face repo id."),
-    draft: Optional[str] = typer.Option(None, "--draft", "-d", help="DFlash draft folder or repo id; without it the target runs alone."),
-    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt; read from stdin when omitted."),
-    draft_quant: str = typer.Option("none", "--draft-quant", help="Quantize the draft: w4, w8, w4:gs32 … or none."),
-    block_tokens: Optional[int] = typer.Option(None, "--block-tokens", "-b", help="Tokens per draft block (1 .. the draft's block size; default: the draft's)."),
-    max_tokens: int = typer.Option(256, "--max-tokens", help="Stop after this many generated tokens."),
-    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1.0 = off)."),
-    top_k: int = typer.Option(0, "--top-k", help="Keep only the k most likely tokens (0 = off)."),
-    min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p times the top probability (0 = off)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
-    stop: Optional[List[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
-    chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap the prompt as a user message in the chat template."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON record (text, tokens, timings, acceptance) instead of the text."),
+    model: Model = None,
+    draft: Draft = None,
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="The prompt; read from stdin when omitted.")] = None,
+    draft_quant: DraftQuant = "none",
+    block_tokens: BlockTokens = None,
+    max_tokens: MaxTokens = 256,
+    temp: Temp = 0.0,
+    top_p: TopP = 1.0,
+    top_k: TopK = 0,
+    seed: Seed = None,
+    min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens below min_p times the top probability (0 = off).")] = 0.0,
+    stop: Annotated[Optional[List[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
+    system: Annotated[Optional[str], typer.Option("--system", help="System prompt (with the chat template).")] = None,
+    think: Think = False,
+    chat_template: Annotated[bool, typer.Option("--chat-template/--no-chat-template", help="Wrap the prompt as a user message in the chat template.")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON record (text, tokens, timings, acceptance) instead of the text.")] = False,
 ) -> None:
     """Generate one completion: text to stdout, statistics to stderr."""
     from . import api
-    from .loading import CheckpointError
 
+    sampling = _sampling(temp, top_p, top_k, seed)
     if prompt is None:
         prompt = sys.stdin.read()
+    loaded, tokenizer = _load(model, draft, draft_quant)
+    _check_block_tokens((loaded, tokenizer), block_tokens)
+    use_template = chat_template and tokenizer.chat_template is not None
+    head = [{"role": "system", "content": system}] if system else []
+    request = head + [{"role": "user", "content": prompt}] if use_template else prompt
+    text, tokens, last = "", [], None
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            loaded, tokenizer = api.load(model, draft=draft, draft_quant=draft_quant)
-        for w in caught:
-            typer.secho(f"warning: {w.message}", fg=typer.colors.YELLOW, err=True)
-        use_template = chat_template and tokenizer.chat_template is not None
-        request = [{"role": "user", "content": prompt}] if use_template else prompt
-        text, tokens, last = "", [], None
         for last in api.stream_generate(
-            loaded, tokenizer, request, max_tokens=max_tokens, block_tokens=block_tokens,
-            temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, stop=stop,
+            loaded, tokenizer, request, max_tokens=max_tokens, block_tokens=block_tokens, min_p=min_p,
+            stop=stop, enable_thinking=think, **sampling,
         ):
             text += last.text
             tokens.append(last.token)
             if not as_json:
                 sys.stdout.write(last.text)
                 sys.stdout.flush()
-    except (CheckpointError, ValueError, TypeError) as e:
+    except (ValueError, TypeError) as e:
         _fail(str(e))
     stats = dict(
         prompt_tokens=last.prompt_tokens, prompt_tps=last.prompt_tps, generation_tokens=last.generation_tokens,
@@ -80,9 +160,92 @@ def generate(
     else:
         print()
         line = f"{last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s"
-        if draft:
+        if loaded.draft is not None:
             line += f", {last.tokens_per_cycle:.2f} tokens/cycle, acceptance {last.acceptance_rate:.0%}"
         typer.secho(line, dim=True, err=True)
+
+
+@app.command()
+def bench(
+    model: Model = None,
+    draft: Draft = None,
+    draft_quant: DraftQuant = "none",
+    block_tokens: Annotated[str, typer.Option("--block-tokens", "-b", help="Block sizes to compare, comma-separated (e.g. 4,8,16); default: the draft's.")] = "",
+    max_tokens: MaxTokens = 256,
+    suite: Annotated[List[str], typer.Option("--suite", "-s", help="Built-in workload(s): edit (the answer copies the prompt), code (fresh code), prose. Repeatable.")] = ["edit", "code", "prose"],
+    prompt_file: Annotated[Optional[Path], typer.Option("--prompt-file", help="Extra workload 'file': a text file (one prompt) or .jsonl ({\"prompt\": ...} per line).")] = None,
+    repeats: Annotated[int, typer.Option("--repeats", help="Measure each prompt this many times (median kept).")] = 1,
+    chat_template: Annotated[bool, typer.Option("--chat-template/--no-chat-template", help="Wrap prompts in the chat template.")] = True,
+    out: Annotated[Optional[Path], typer.Option("--out", help="Write all results as JSON here.")] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG: tok/s per suite side by side, and accepted lengths.")] = None,
+) -> None:
+    """Target alone vs DFlash, interleaved, greedy: speed, acceptance, and identical outputs."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from . import bench as bench_lib
+
+    unknown = [s for s in suite if s not in bench_lib.SUITES]
+    if unknown:
+        _fail(f"unknown suite {unknown[0]!r}: choose from {', '.join(bench_lib.SUITES)}")
+    try:
+        blocks = [int(b) for b in block_tokens.split(",") if b.strip()] or [None]
+    except ValueError:
+        _fail(f"--block-tokens {block_tokens!r}: expected integers separated by commas")
+    workloads = {name: bench_lib.SUITES[name] for name in suite}
+    if prompt_file is not None:
+        if not prompt_file.is_file():
+            _fail(f"--prompt-file {prompt_file} does not exist")
+        workloads["file"] = bench_lib.load_prompt_file(prompt_file)
+    loaded, tokenizer = _load(model, draft, draft_quant)
+    if loaded.draft is None:
+        _fail("bench compares with DFlash: give a draft (--draft) or use the default model")
+    for b in blocks:
+        _check_block_tokens((loaded, tokenizer), b)
+    chat = chat_template and tokenizer.chat_template is not None
+    console = Console(stderr=True)
+    jobs = [
+        (name, i, prompt, r)
+        for name, prompts in workloads.items() for i, prompt in enumerate(prompts) for r in range(repeats)
+    ]
+    runs = []
+    bench_lib.measure(loaded, tokenizer, "warm up", True, blocks[0], 8, chat)  # compile kernels once
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("bench", total=len(jobs) * (1 + len(blocks)))
+        for name, i, prompt, _ in jobs:
+            for use_draft, block in [(False, None)] + [(True, b) for b in blocks]:
+                label = f"block {block or loaded.draft.block_size}" if use_draft else "target alone"
+                progress.update(task, description=f"{name} #{i + 1}: {label}")
+                run = bench_lib.measure(loaded, tokenizer, prompt, use_draft, block, max_tokens, chat)
+                run.suite, run.prompt_index = name, i
+                runs.append(run)
+                progress.advance(task)
+    rows = bench_lib.summarize(runs)
+    table = Table(title="dflash-mlx bench (greedy)")
+    for column in ("suite", "block", "target tok/s", "DFlash tok/s", "speedup", "tokens/cycle", "acceptance", "peak GB", "identical"):
+        table.add_column(column, justify="right")
+    for r in rows:
+        table.add_row(
+            r["suite"], str(r["block_tokens"] or loaded.draft.block_size), f"{r['baseline_tps']:.1f}",
+            f"{r['dflash_tps']:.1f}", f"{r['speedup']:.2f}x", f"{r['tokens_per_cycle']:.2f}",
+            f"{r['acceptance_rate']:.0%}", f"{r['peak_memory_gb']:.2f}", "yes" if r["identical"] else "NO",
+        )
+    Console().print(table)
+    meta = dict(
+        target=str(loaded.target_path), draft=str(loaded.draft_path), draft_quant=draft_quant,
+        max_tokens=max_tokens, repeats=repeats, date=time.strftime("%Y-%m-%d %H:%M:%S"),
+    )
+    if out is not None:
+        bench_lib.save_json(out, rows, runs, meta)
+    if plot is not None:
+        try:
+            bench_lib.plot(plot, rows)
+        except RuntimeError as e:
+            _fail(str(e))
+    if not all(r["identical"] for r in rows):
+        _fail("greedy DFlash output differed from the target alone: please report this")
 
 
 @app.command()

@@ -84,7 +84,7 @@ def fetch(repo_or_path: str, patterns: List[str], revision: Optional[str] = None
     except LocalEntryNotFoundError as e:
         raise ConversionError(
             f"cannot download {repo_or_path}: the Hub is unreachable (or HF_HUB_OFFLINE is set) and it is not "
-            "in the local cache"
+            f"in the local cache; fetch it once while online (`huggingface-cli download {repo_or_path}`)"
         ) from e
     except (HfHubHTTPError, EntryNotFoundError, OSError) as e:
         raise ConversionError(f"download of {repo_or_path} failed: {e}") from e

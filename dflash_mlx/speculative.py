@@ -41,16 +41,21 @@ def prefill(
     taps: Sequence[int] = (),
     on_features=None,
     on_chunk=None,
+    split_at: Sequence[int] = (),
 ) -> mx.array:
     """Feed the prompt in chunks; returns the last position's logits [V].
 
     Each chunk's tapped features go to ``on_features`` (the draft's context cache) so that
     memory stays bounded by the chunk size; ``on_chunk`` runs after each chunk (checkpoints).
+    ``split_at`` adds chunk boundaries (positions in ``prompt``) where a checkpoint is wanted.
     """
     if prompt.size == 0:
         raise ValueError("the prompt is empty: at least one token is needed")
-    for start in range(0, prompt.size, step_size):
-        logits, features = target.forward(prompt[None, start : start + step_size], cache, taps)
+    ends = sorted({*range(step_size, prompt.size, step_size), *(p for p in split_at if 0 < p < prompt.size), prompt.size})
+    start = 0
+    for end in ends:
+        logits, features = target.forward(prompt[None, start:end], cache, taps)
+        start = end
         if on_features is not None:
             on_features(features)
         mx.eval(logits, cache_arrays(cache))
@@ -60,14 +65,20 @@ def prefill(
 
 
 def target_only(
-    target: Target, prompt: mx.array, sampler: Sampler, prefill_step_size: int = 512, cache=None, on_chunk=None
+    target: Target,
+    prompt: mx.array,
+    sampler: Sampler,
+    prefill_step_size: int = 512,
+    cache=None,
+    on_chunk=None,
+    split_at: Sequence[int] = (),
 ) -> Iterator[Commit]:
     """Ordinary decoding, one token per step: the baseline and the reference.
 
     As in ``speculative``, a commit's last token is not in the cache yet when it is yielded.
     """
     cache = target.make_cache() if cache is None else cache
-    logits = prefill(target, prompt, cache, prefill_step_size, on_chunk=on_chunk)
+    logits = prefill(target, prompt, cache, prefill_step_size, on_chunk=on_chunk, split_at=split_at)
     while True:
         token = sampler(logits)
         yield Commit([token.item()], _logprobs(logits)[None])
@@ -85,19 +96,20 @@ def speculative(
     cache=None,
     draft_cache=None,
     on_chunk=None,
+    split_at: Sequence[int] = (),
 ) -> Iterator[Commit]:
     """DFlash decoding: each step commits the accepted draft prefix plus one target token."""
     block = block_tokens or draft.block_size
     if not 1 <= block <= draft.block_size:
         raise ValueError(f"block_tokens={block_tokens} must be between 1 and the draft's block size {draft.block_size}")
     if block == 1:  # no draft slot left: plain decoding
-        yield from target_only(target, prompt, sampler, prefill_step_size, cache, on_chunk)
+        yield from target_only(target, prompt, sampler, prefill_step_size, cache, on_chunk, split_at)
         return
     taps = draft.target_layer_ids
     cache = target.make_cache() if cache is None else cache
     draft_cache = draft.make_cache(draft_window) if draft_cache is None else draft_cache
     logits = prefill(
-        target, prompt, cache, prefill_step_size, taps, lambda f: draft.add_context(f, draft_cache), on_chunk
+        target, prompt, cache, prefill_step_size, taps, lambda f: draft.add_context(f, draft_cache), on_chunk, split_at
     )
     token = sampler(logits).reshape(1)
     yield Commit([token.item()], _logprobs(logits)[None])

@@ -1,0 +1,162 @@
+"""Target-only vs DFlash, side by side, on workloads that mirror real use.
+
+Runs alternate (baseline, speculative, baseline, ...) so that thermal or background drift hits
+both alike. All runs are greedy, so outputs must be identical: the bench reports it.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from .api import DFlashModel, stream_generate
+
+_EDIT_SOURCE = '''import json
+from pathlib import Path
+
+
+def load_records(path):
+    """Read one JSON record per line, skipping blank lines."""
+    records = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            records.append(json.loads(line))
+    return records
+
+
+def summarize(records):
+    totals = {}
+    for record in records:
+        key = record["category"]
+        totals[key] = totals.get(key, 0) + record["amount"]
+    return dict(sorted(totals.items()))
+
+
+def main(path):
+    records = load_records(path)
+    for category, amount in summarize(records).items():
+        print(f"{category:20} {amount:10.2f}")
+'''
+
+SUITES: Dict[str, List[str]] = {
+    "edit": [
+        "Rename the function `summarize` to `total_by_category` everywhere in this file. "
+        "Reply with the whole updated file and nothing else.\n\n```python\n" + _EDIT_SOURCE + "```",
+        "Add type hints to every function of this file without changing anything else. "
+        "Reply with the whole updated file.\n\n```python\n" + _EDIT_SOURCE + "```",
+    ],
+    "code": [
+        "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring and tests.",
+        "Write a Python class implementing an LRU cache with get and put in O(1), with type hints.",
+    ],
+    "prose": [
+        "Explain in three paragraphs how speculative decoding makes language models faster.",
+        "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    ],
+}
+
+
+@dataclass
+class Run:
+    suite: str
+    prompt_index: int
+    mode: str  # "baseline" or "dflash"
+    block_tokens: Optional[int]
+    tokens: int
+    tps: float
+    prompt_tps: float
+    tokens_per_cycle: float
+    acceptance_rate: float
+    peak_memory_gb: float
+    accepted_lengths: List[int] = field(default_factory=list)
+    output: List[int] = field(default_factory=list)
+
+
+def measure(model: DFlashModel, tokenizer, prompt, use_draft: bool, block_tokens, max_tokens, chat: bool) -> Run:
+    request = [{"role": "user", "content": prompt}] if chat else prompt
+    tokens, lengths, accepted, cycles, last = [], [], 0, 0, None
+    kwargs = dict(block_tokens=block_tokens) if use_draft else {}
+    for last in stream_generate(model, tokenizer, request, max_tokens=max_tokens, use_draft=use_draft, **kwargs):
+        tokens.append(last.token)
+        if last.cycles != cycles:
+            lengths.append(last.accepted_tokens - accepted)
+            accepted, cycles = last.accepted_tokens, last.cycles
+    return Run(
+        suite="", prompt_index=0, mode="dflash" if use_draft else "baseline", block_tokens=block_tokens,
+        tokens=last.generation_tokens, tps=last.generation_tps, prompt_tps=last.prompt_tps,
+        tokens_per_cycle=last.tokens_per_cycle, acceptance_rate=last.acceptance_rate,
+        peak_memory_gb=last.peak_memory, accepted_lengths=lengths if use_draft else [], output=tokens,
+    )
+
+
+def load_prompt_file(path: Path) -> List[str]:
+    """A ``.jsonl`` file holds one ``{"prompt": ...}`` per line; any other file is one prompt."""
+    text = path.read_text()
+    if path.suffix == ".jsonl":
+        return [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
+    return [text]
+
+
+def summarize(runs: List[Run]) -> List[Dict]:
+    """One row per suite and block size: medians over prompts, identical-output check."""
+    rows = []
+    keys = sorted({(r.suite, r.block_tokens) for r in runs if r.mode == "dflash"}, key=lambda k: (k[0], k[1] or 0))
+    for suite, block in keys:
+        spec = [r for r in runs if r.suite == suite and r.mode == "dflash" and r.block_tokens == block]
+        base = {r.prompt_index: r for r in runs if r.suite == suite and r.mode == "baseline"}
+        base_tps = statistics.median(b.tps for b in base.values())
+        spec_tps = statistics.median(s.tps for s in spec)
+        lengths = [n for s in spec for n in s.accepted_lengths]
+        rows.append({
+            "suite": suite,
+            "block_tokens": block,
+            "baseline_tps": base_tps,
+            "dflash_tps": spec_tps,
+            "speedup": spec_tps / base_tps if base_tps else 0.0,
+            "tokens_per_cycle": statistics.mean(s.tokens_per_cycle for s in spec),
+            "acceptance_rate": statistics.mean(s.acceptance_rate for s in spec),
+            "peak_memory_gb": max(r.peak_memory_gb for r in spec + list(base.values())),
+            "identical": all(s.output == base[s.prompt_index].output for s in spec),
+            "accepted_lengths": lengths,
+        })
+    return rows
+
+
+def save_json(path: Path, rows: List[Dict], runs: List[Run], meta: Dict) -> None:
+    path.write_text(json.dumps({"meta": meta, "summary": rows, "runs": [asdict(r) for r in runs]}, indent=2))
+
+
+def plot(path: Path, rows: List[Dict]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise RuntimeError("--plot needs matplotlib: pip install 'dflash-mlx[plot]'") from e
+    labels = [f"{r['suite']}\nblock {r['block_tokens'] or 'draft'}" for r in rows]
+    fig, (speed, hist) = plt.subplots(1, 2, figsize=(12, 4.5))
+    x = range(len(rows))
+    speed.bar([i - 0.2 for i in x], [r["baseline_tps"] for r in rows], width=0.4, label="target alone")
+    speed.bar([i + 0.2 for i in x], [r["dflash_tps"] for r in rows], width=0.4, label="DFlash")
+    for i, r in zip(x, rows):
+        speed.text(i + 0.2, r["dflash_tps"], f"{r['speedup']:.2f}x", ha="center", va="bottom", fontsize=8)
+    speed.set_xticks(list(x), labels, fontsize=8)
+    speed.set_ylabel("tokens/s")
+    speed.set_title("Decode speed")
+    speed.legend()
+    top = max((max(r["accepted_lengths"], default=0) for r in rows), default=0)
+    for r, label in zip(rows, labels):
+        if r["accepted_lengths"]:
+            hist.hist(r["accepted_lengths"], bins=range(top + 2), alpha=0.5, label=label.replace("\n", ", "), align="left")
+    hist.set_xticks(range(top + 1))
+    hist.set_xlabel("drafted tokens accepted per cycle")
+    hist.set_ylabel("cycles")
+    hist.set_title("Accepted lengths")
+    hist.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

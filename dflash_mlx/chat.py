@@ -1,0 +1,135 @@
+"""Interactive chat: streamed answers, multi-turn history, cache reuse between turns."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from .api import DFlashModel, GenerationResponse, stream_generate
+from .prompt_cache import PromptCache
+
+HELP = """Commands:
+  /reset   forget the conversation (and its caches)
+  /stats   statistics of this session
+  /help    this help
+  /exit    leave (Ctrl-D works too)
+Ctrl-C stops the answer being written and keeps the session."""
+
+DIM, RESET = "\033[2m", "\033[0m"
+
+
+@dataclass
+class SessionStats:
+    turns: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    cycles: int = 0
+    accepted: int = 0
+    drafted: int = 0
+    last: Optional[GenerationResponse] = None
+
+    def add(self, r: GenerationResponse) -> None:
+        self.turns += 1
+        self.tokens += r.generation_tokens
+        self.seconds += r.generation_tokens / r.generation_tps if r.generation_tps else 0.0
+        self.cycles += r.cycles
+        self.accepted += r.accepted_tokens
+        self.drafted += r.drafted_tokens
+        self.last = r
+
+    def summary(self) -> str:
+        tps = self.tokens / self.seconds if self.seconds else 0.0
+        text = f"{self.turns} turns, {self.tokens} tokens, {tps:.1f} tok/s"
+        if self.drafted:
+            text += f", {(self.tokens - self.turns) / max(self.cycles, 1):.2f} tokens/cycle"
+            text += f", acceptance {self.accepted / self.drafted:.0%}"
+        return text
+
+
+def answer_line(r: GenerationResponse, speculative: bool) -> str:
+    """The one dim line after each answer."""
+    line = f"{r.generation_tokens} tokens, {r.generation_tps:.1f} tok/s"
+    if speculative:
+        line += f", {r.tokens_per_cycle:.2f} tokens/cycle, acceptance {r.acceptance_rate:.0%}"
+    line += f", prompt {r.prompt_tokens - r.cached_prompt_tokens} new + {r.cached_prompt_tokens} cached tokens"
+    return line
+
+
+@dataclass
+class ChatSession:
+    model: DFlashModel
+    tokenizer: object
+    system: Optional[str] = None
+    think: bool = False
+    generation: Dict = field(default_factory=dict)  # max_tokens, block_tokens, sampling
+    history: List[Dict[str, str]] = field(default_factory=list)
+    cache: PromptCache = field(default_factory=PromptCache)
+    stats: SessionStats = field(default_factory=SessionStats)
+    last_tokens: List[int] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.history.clear()
+        self.cache.reset()
+
+    def messages(self, user: str) -> List[Dict[str, str]]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + self.history + [{"role": "user", "content": user}]
+
+    def ask(self, user: str, out=sys.stdout) -> Optional[GenerationResponse]:
+        """Stream one answer to ``out``; Ctrl-C ends it early and keeps what was written."""
+        text, last = "", None
+        messages = self.messages(user)
+        # The next turn's prompt repeats this one up to the end of the user's message (the
+        # template may render this answer differently): checkpoint there.
+        stable = self.tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True)
+        stream = stream_generate(
+            self.model, self.tokenizer, messages, prompt_cache=self.cache, checkpoint_at=[len(stable)],
+            enable_thinking=self.think, **self.generation,
+        )
+        self.last_tokens = []
+        try:
+            for last in stream:
+                self.last_tokens.append(last.token)
+                out.write(last.text)
+                out.flush()
+                text += last.text
+        except KeyboardInterrupt:
+            stream.close()
+            out.write(" [stopped]")
+        out.write("\n")
+        self.history += [{"role": "user", "content": user}, {"role": "assistant", "content": text}]
+        if last is not None:
+            self.stats.add(last)
+        return last
+
+
+def run_chat(session: ChatSession, speculative: bool) -> None:
+    print("dflash-mlx chat. /help for commands, Ctrl-D to leave.", flush=True)
+    while True:
+        try:
+            user = input(">>> ")
+        except EOFError:
+            print()
+            return
+        except KeyboardInterrupt:
+            print()
+            continue
+        command = user.strip()
+        if not command:
+            continue
+        if command in ("/exit", "/quit"):
+            return
+        if command == "/help":
+            print(HELP)
+        elif command == "/reset":
+            session.reset()
+            print("(conversation cleared)")
+        elif command == "/stats":
+            print(session.stats.summary())
+        elif command.startswith("/"):
+            print(f"unknown command {command}; /help lists them")
+        else:
+            last = session.ask(user)
+            if last is not None:
+                print(f"{DIM}{answer_line(last, speculative)}{RESET}", flush=True)

@@ -1,0 +1,38 @@
+"""The default pairing: Qwopus3.5-9B-Coder (MLX 4-bit) with z-lab's Qwen3.5-9B draft converted for it.
+
+Both are made on first use (``convert_target`` / ``convert_draft``) and kept under
+``$DFLASH_MLX_HOME`` (default ``~/.cache/dflash-mlx``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional, Tuple
+
+from .convert import DEFAULT_DRAFT, DEFAULT_TARGET, convert_draft, convert_target
+
+TARGET_FOLDER = "Qwopus3.5-9B-Coder-mlx-4bit"
+DRAFT_FOLDER = "Qwen3.5-9B-DFlash-for-Qwopus"
+
+
+def home() -> Path:
+    return Path(os.environ.get("DFLASH_MLX_HOME", "~/.cache/dflash-mlx")).expanduser()
+
+
+def resolve(model: Optional[str], draft: Optional[str]) -> Tuple[str, Optional[str]]:
+    """``--model``/``--draft`` as given, or the default pair (converted and cached on first use)."""
+    if model is not None:
+        return model, draft
+    target_dir = home() / TARGET_FOLDER
+    if not target_dir.exists():
+        print(f"First use: converting {DEFAULT_TARGET} to MLX 4-bit in {target_dir}", file=sys.stderr)
+        convert_target(DEFAULT_TARGET, target_dir, quant="w4")
+    if draft is None:
+        draft_dir = home() / DRAFT_FOLDER
+        if not draft_dir.exists():
+            print(f"First use: converting {DEFAULT_DRAFT} for the Qwopus tokenizer in {draft_dir}", file=sys.stderr)
+            convert_draft(draft_dir, draft=DEFAULT_DRAFT, target=DEFAULT_TARGET)
+        draft = str(draft_dir)
+    return str(target_dir), draft

@@ -1,0 +1,164 @@
+"""The CLI as people use it: chat in a pseudo-terminal, generate and bench in subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pexpect
+import pytest
+
+from dflash_mlx import tiny
+from dflash_mlx.api import load
+from dflash_mlx.chat import ChatSession
+from tests.test_lossless import assert_lossless
+
+import mlx.core as mx
+
+ROOT = Path(__file__).resolve().parents[1]
+STATS = re.compile(r"(\d+) tokens, [\d.]+ tok/s, [\d.]+ tokens/cycle, acceptance \d+%, prompt (\d+) new \+ (\d+) cached tokens")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return tiny.write_pair(tmp_path_factory.mktemp("cli"))
+
+
+def cli(*args, env=None, input=None):
+    return subprocess.run(
+        [sys.executable, "-m", "dflash_mlx.cli", *args], capture_output=True, text=True, cwd=ROOT,
+        env={**os.environ, **(env or {})}, input=input, timeout=300,
+    )
+
+
+def spawn_chat(pair, *extra):
+    target, draft = pair
+    child = pexpect.spawn(
+        sys.executable, ["-m", "dflash_mlx.cli", "chat", "-m", str(target), "-d", str(draft), "-b", "4", *extra],
+        cwd=str(ROOT), encoding="utf-8", timeout=120, dimensions=(40, 200),
+    )
+    child.expect(">>> ")
+    return child
+
+
+def turn(child, text):
+    child.sendline(text)
+    child.expect(STATS)
+    tokens, new, cached = (int(x) for x in child.match.groups())
+    child.expect(">>> ")
+    return tokens, new, cached
+
+
+def test_chat_turns_reuse_the_cache_and_reset_forgets(pair):
+    child = spawn_chat(pair, "--max-tokens", "20")
+    tokens, new1, cached = turn(child, "def fibonacci(n):")
+    assert cached == 0 and 0 < tokens <= 20
+    tokens, new2, cached2 = turn(child, "class Stack:")
+    # Turn 2 prefills only what is new: the first turn up to its generation prompt (which the
+    # template renders differently in history) comes from the cache.
+    tokenizer = load(str(pair[0]))[1]
+    first = [{"role": "user", "content": "def fibonacci(n):"}]
+    assert cached2 == len(tokenizer.apply_chat_template(first, add_generation_prompt=False)) > 0
+    child.sendline("/stats")
+    child.expect(r"2 turns, \d+ tokens")
+    child.expect(">>> ")
+    child.sendline("/reset")
+    child.expect(r"\(conversation cleared\)")
+    child.expect(">>> ")
+    _, _, cached3 = turn(child, "class Stack:")
+    assert cached3 == 0
+    child.sendline("/help")
+    child.expect("/reset")
+    child.expect(">>> ")
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_ctrl_c_stops_the_answer_and_keeps_the_session(pair):
+    child = spawn_chat(pair, "--max-tokens", "100000", "--temp", "0.8", "--seed", "1")
+    child.sendline("tell me everything")
+    child.expect("tell me everything\r\n")
+    child.expect(r"\S{5}")  # the answer is streaming
+    child.sendintr()
+    child.expect(r"\[stopped\]")
+    child.expect(STATS)
+    child.expect(">>> ")
+    tokens, _, cached = turn(child, "shorter please")
+    assert cached > 0  # the stopped turn is in the history and its cache is reused
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_a_follow_up_turn_equals_a_fresh_run_on_the_whole_conversation(pair):
+    from dflash_mlx import stream_generate
+
+    target, draft = pair
+    model, tokenizer = load(str(target), draft=str(draft))
+    generation = dict(max_tokens=24, block_tokens=4)
+    session = ChatSession(model, tokenizer, system="be brief", generation=generation)
+    with open(os.devnull, "w") as devnull:
+        session.ask("def fibonacci(n):", out=devnull)
+        messages = session.messages("class Stack:")
+        second = session.ask("class Stack:", out=devnull)
+    assert second.cached_prompt_tokens > 0
+    fresh = [r.token for r in stream_generate(model, tokenizer, messages, enable_thinking=False, **generation)]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False)
+    assert_lossless(model.target, mx.array(prompt), fresh, session.last_tokens)
+
+
+def test_generate_json_and_stdin(pair):
+    target, draft = pair
+    done = cli("generate", "-m", str(target), "-d", str(draft), "--max-tokens", "12", "--json", "--no-chat-template", input="class Stack:")
+    assert done.returncode == 0, done.stderr
+    record = json.loads(done.stdout)
+    assert len(record["tokens"]) <= 12 and record["finish_reason"] in ("length", "stop")
+    alone = cli("generate", "-m", str(target), "-p", "class Stack:", "--max-tokens", "12", "--json", "--no-chat-template")
+    assert json.loads(alone.stdout)["tokens"] == record["tokens"]
+
+
+def test_bench_writes_json_and_png(pair, tmp_path):
+    target, draft = pair
+    done = cli(
+        "bench", "-m", str(target), "-d", str(draft), "-b", "4,8", "--suite", "edit", "--suite", "code",
+        "--max-tokens", "16", "--out", str(tmp_path / "bench.json"), "--plot", str(tmp_path / "bench.png"),
+    )
+    assert done.returncode == 0, done.stderr
+    results = json.loads((tmp_path / "bench.json").read_text())
+    rows = {(r["suite"], r["block_tokens"]) for r in results["summary"]}
+    assert rows == {("edit", 4), ("edit", 8), ("code", 4), ("code", 8)}
+    for r in results["summary"]:
+        assert r["identical"] and r["baseline_tps"] > 0 and r["dflash_tps"] > 0
+        assert set(r) >= {"speedup", "tokens_per_cycle", "acceptance_rate", "peak_memory_gb", "accepted_lengths"}
+    assert len(results["runs"]) == 2 * 2 * 3  # 2 prompts per suite x (baseline + 2 block sizes)
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "dflash-mlx bench" in done.stdout
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "bench"])
+def test_error_paths_are_one_clear_line(pair, tmp_path, command):
+    target, draft = pair
+    extra = ["-p", "x"] if command == "generate" else []
+    cases = [
+        (["-m", str(tmp_path / "missing")], f"no checkpoint folder at {tmp_path / 'missing'}"),
+        (["-m", str(target), "-d", str(draft), "--draft-quant", "w9"], "bad quantization 'w9'"),
+        (["-m", str(target), "-d", str(draft), "-b", "99"], "must be between 1 and the draft's block size 16"),
+    ]
+    for args, message in cases:
+        done = cli(command, *args, *extra, input="")
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 1 and len(lines) == 1 and message in lines[0], done.stderr
+
+
+def test_default_model_offline_says_what_is_missing(tmp_path):
+    done = cli("generate", "-p", "hi", env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "DFLASH_MLX_HOME": str(tmp_path / "home")})
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "Jackrong/Qwopus3.5-9B-Coder" in done.stderr and "huggingface-cli download" in done.stderr
+    assert not any((tmp_path / "home").glob("*")) if (tmp_path / "home").exists() else True
