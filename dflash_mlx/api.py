@@ -211,7 +211,9 @@ def stream_generate(
         cache, draft_cache = prompt_cache.cache, prompt_cache.draft_cache
         on_chunk = prompt_cache.checkpoint_here
     feed = ids[reused:]
-    split_at = [p - reused for p in checkpoint_at] if prompt_cache is not None else []
+    # With a cache, also checkpoint before the last prompt token: the same prompt sent again
+    # (an editor retrying, a regenerate button) then reuses all but that token.
+    split_at = [p - reused for p in (*checkpoint_at, ids.size - 1)] if prompt_cache is not None else []
     if draft is not None:
         steps = speculative(
             model.target, draft, feed, sampler, block_tokens, prefill_step_size, model.draft_window,

@@ -249,6 +249,36 @@ def bench(
 
 
 @app.command()
+def serve(
+    model: Model = None,
+    draft: Draft = None,
+    draft_quant: DraftQuant = "none",
+    block_tokens: BlockTokens = None,
+    host: Annotated[str, typer.Option("--host", help="Interface to listen on (loopback by default: only this machine).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="TCP port.")] = 8080,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="DFLASH_MLX_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 endpoints.")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Cap on tokens generated per request.")] = 4096,
+    context_size: Annotated[Optional[int], typer.Option("--context-size", help="Reject prompts longer than this many tokens.")] = None,
+    model_name: Annotated[Optional[str], typer.Option("--model-name", help="Model id clients ask for (default: the target folder's name).")] = None,
+    max_request_bytes: Annotated[int, typer.Option("--max-request-bytes", help="Reject request bodies larger than this.")] = 8 << 20,
+) -> None:
+    """Serve an OpenAI-compatible API (chat, completions with FIM, models, health, metrics)."""
+    import uvicorn
+
+    from .server import create_app
+
+    loaded, tokenizer = _load(model, draft, draft_quant)
+    _check_block_tokens((loaded, tokenizer), block_tokens)
+    name = model_name or Path(str(loaded.target_path)).name
+    app_ = create_app(
+        loaded, tokenizer, name, api_key=api_key, max_tokens_cap=max_tokens, context_limit=context_size,
+        max_request_bytes=max_request_bytes, block_tokens=block_tokens,
+    )
+    typer.secho(f"serving {name!r} on http://{host}:{port}/v1", err=True)
+    uvicorn.run(app_, host=host, port=port, log_level="warning")
+
+
+@app.command()
 def convert(
     out: str = typer.Option(..., "--out", "-o", help="Output folder for the MLX draft (must not exist unless --force)."),
     draft: str = typer.Option("z-lab/Qwen3.5-9B-DFlash", "--draft", "-d", help="z-lab draft: Hugging Face repo id or local folder."),

@@ -1,0 +1,258 @@
+"""`dflash-mlx serve` as editors use it: the real server process, the official openai client."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dflash_mlx import generate, tiny
+from dflash_mlx.api import load
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "sk-test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return tiny.write_pair(tmp_path_factory.mktemp("serve"))
+
+
+@pytest.fixture(scope="module")
+def server(pair):
+    target, draft = pair
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dflash_mlx.cli", "serve", "-m", str(target), "-d", str(draft), "-b", "4",
+         "--port", str(port), "--api-key", KEY, "--context-size", "600", "--max-request-bytes", "200000",
+         "--model-name", "tiny", "--max-tokens", "100000"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    else:
+        process.kill()
+        raise RuntimeError(process.stdout.read())
+    yield url
+    process.terminate()
+    process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def local(pair):
+    target, draft = pair
+    return load(str(target), draft=str(draft))
+
+
+def chat(client, content, **kwargs):
+    kwargs.setdefault("max_tokens", 16)
+    kwargs.setdefault("temperature", 0)
+    return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}], **kwargs)
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(f"{server}/health").json()["status"] == "ok"
+
+
+def test_greedy_chat_equals_dflash_generate(client, local):
+    model, tokenizer = local
+    reply = chat(client, "def fibonacci(n):", max_tokens=24)
+    expected = generate(model, tokenizer, [{"role": "user", "content": "def fibonacci(n):"}], max_tokens=24, block_tokens=4)
+    assert reply.choices[0].message.content == expected
+    assert reply.usage.completion_tokens <= 24 and reply.choices[0].finish_reason in ("length", "stop")
+
+
+def test_streaming_chat_matches_non_streaming(client):
+    whole = chat(client, "class Stack:", max_tokens=20).choices[0].message.content
+    chunks = list(chat(client, "class Stack:", max_tokens=20, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole
+    assert chunks[-1].usage.completion_tokens > 0 and chunks[-2].choices[0].finish_reason in ("length", "stop")
+
+
+def test_completions_with_suffix_fill_in_the_middle(client, local):
+    model, tokenizer = local
+    reply = client.completions.create(model="tiny", prompt="def add(a, b):\n", suffix="\n    return c", max_tokens=12, temperature=0)
+    fim = "<|fim_prefix|>def add(a, b):\n<|fim_suffix|>\n    return c<|fim_middle|>"
+    assert reply.choices[0].text == generate(model, tokenizer, fim, max_tokens=12, block_tokens=4)
+    plain = client.completions.create(model="tiny", prompt="def add(a, b):\n", max_tokens=12, temperature=0)
+    assert plain.usage.prompt_tokens < reply.usage.prompt_tokens
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def test_tools_are_rendered_and_calls_parsed(client, local):
+    with_tools = chat(client, "weather in Paris?", tools=TOOLS)
+    without = chat(client, "weather in Paris?")
+    assert with_tools.usage.prompt_tokens > without.usage.prompt_tokens + 20  # the tool schema is in the prompt
+    # The parser the server applies to the model's output (mlx-lm's qwen3_coder parser).
+    from dflash_mlx.server import _Reply
+
+    _, tokenizer = local
+    output = "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+    content, calls = _Reply("chat.completion", "tiny", tokenizer, TOOLS)._tool_calls(output)
+    assert content == "Let me check."
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}
+
+
+def test_stop_and_seed(client):
+    full = chat(client, "The quick", max_tokens=30).choices[0].message.content
+    stop = full[8:11]
+    stopped = chat(client, "The quick", max_tokens=30, stop=[stop])
+    assert stopped.choices[0].message.content == full[: full.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+    a = chat(client, "def", temperature=0.9, top_p=0.95, seed=7, max_tokens=20).choices[0].message.content
+    b = chat(client, "def", temperature=0.9, top_p=0.95, seed=7, max_tokens=20).choices[0].message.content
+    assert a == b
+
+
+def test_eight_concurrent_clients(client):
+    prompts = [f"question {i}" for i in range(8)]
+    expected = {p: chat(client, p).choices[0].message.content for p in prompts}
+
+    def worker(p):
+        return [chat(client, p).choices[0].message.content for _ in range(3)]
+
+    with ThreadPoolExecutor(8) as pool:
+        results = dict(zip(prompts, pool.map(worker, prompts)))
+    assert all(answers == [expected[p]] * 3 for p, answers in results.items())
+
+
+def test_a_dropped_stream_frees_the_model(client, server):
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{server}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                         json={"model": "tiny", "messages": [{"role": "user", "content": "go on forever"}],
+                               "max_tokens": 100000, "temperature": 0.8, "stream": True}) as response:
+            lines = response.iter_lines()
+            for _ in range(6):
+                next(lines)
+        # The connection is closed here, mid-stream.
+    time.sleep(0.2)
+    start = time.perf_counter()
+    chat(client, "are you free?", max_tokens=1)
+    assert time.perf_counter() - start < 1.5
+    metrics = httpx.get(f"{server}/metrics").text
+    assert 'dflash_requests_cancelled_total{model="tiny"} 1' in metrics or "cancelled_total{model=\"tiny\"} 2" in metrics
+
+
+def test_prefix_cache_is_lossless(client):
+    context = " ".join(f"line {i}: value = compute({i})" for i in range(12))
+    cold = chat(client, context + " first question", max_tokens=16)
+    warm = chat(client, context + " first question", max_tokens=16)
+    assert warm.choices[0].message.content == cold.choices[0].message.content
+    assert warm.usage.prompt_tokens_details.cached_tokens == warm.usage.prompt_tokens - 1
+
+
+def test_bad_requests_get_openai_errors(server, client):
+    url = f"{server}/v1/chat/completions"
+    auth = {"Authorization": f"Bearer {KEY}"}
+    good = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    cases = [
+        (dict(content=b"{not json"), 400, "malformed JSON"),
+        (dict(json={**good, "max_tokens": "many"}), 400, "max_tokens"),
+        (dict(json={**good, "messages": "hello"}), 400, "messages"),
+        (dict(json={**good, "model": "gpt-4"}), 404, "not found"),
+        (dict(json={**good, "n": 2}), 400, "only n=1"),
+        (dict(json={**good, "messages": [{"role": "user", "content": "word " * 700}]}), 400, "context limit"),
+        (dict(content=b"x" * 300000), 413, "larger than"),
+    ]
+    for kwargs, status, message in cases:
+        r = httpx.post(url, headers={**auth, "content-type": "application/json"}, **kwargs)
+        assert r.status_code == status, (kwargs, r.text)
+        assert message in r.json()["error"]["message"]
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.post(url, headers=headers, json=good)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server}/v1", api_key="nope", max_retries=0).models.list()
+
+
+anything = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 12) | st.floats(allow_nan=False, allow_infinity=False, width=32) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3),
+    max_leaves=8,
+)
+fields = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": st.sampled_from(["tiny", "other"]) | anything,
+        "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "bot"]) | anything, "content": st.text(max_size=30) | anything}), max_size=3) | anything,
+        "prompt": st.text(max_size=30) | st.lists(st.integers(-5, 600), max_size=5) | anything,
+        "suffix": st.text(max_size=10) | anything,
+        "max_tokens": st.integers(-2, 6) | anything,
+        "temperature": st.floats(-1, 3) | anything,
+        "top_p": st.floats(-1, 2) | anything,
+        "top_k": st.integers(-2, 50) | anything,
+        "stop": st.text(max_size=4) | anything,
+        "stream": st.booleans() | anything,
+        "seed": anything,
+        "n": st.integers(0, 3) | anything,
+        "tools": anything,
+    },
+)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=fields, endpoint=st.sampled_from(["chat/completions", "completions"]))
+def test_fuzzed_requests_never_get_a_server_error(server, body, endpoint):
+    r = httpx.post(f"{server}/v1/{endpoint}", headers={"Authorization": f"Bearer {KEY}"}, json=body, timeout=60)
+    assert r.status_code < 500, (body, r.text)
+    if r.status_code != 200:
+        assert set(r.json()["error"]) >= {"message", "type"}
+
+
+def test_openapi_schema_and_survival(server):
+    schema = httpx.get(f"{server}/openapi.json").json()
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models"} <= set(schema["paths"])
+    assert httpx.get(f"{server}/health").json()["status"] == "ok"  # nothing above killed the process
+
+
+def test_editor_examples_work_against_the_server(server):
+    import yaml
+
+    done = subprocess.run(
+        [sys.executable, "examples/editors/openai_sdk.py", f"{server}/v1", KEY], cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "prompt tokens from cache]" in done.stdout
+    env = {**os.environ, "BASE": server, "KEY": KEY}
+    curl = subprocess.run(["bash", "examples/editors/curl.sh"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert curl.returncode == 0, curl.stderr
+    assert "data: [DONE]" in curl.stdout and '"text_completion"' in curl.stdout and "dflash_tokens_per_cycle" in curl.stdout
+    continue_config = yaml.safe_load((ROOT / "examples/editors/continue-config.yaml").read_text())
+    assert {m["apiBase"] for m in continue_config["models"]} == {"http://127.0.0.1:8080/v1"}
+    zed = (ROOT / "examples/editors/zed-settings.json").read_text()
+    zed = json.loads("\n".join(line for line in zed.splitlines() if not line.lstrip().startswith("//")))
+    assert zed["language_models"]["openai_compatible"]["dflash-mlx"]["api_url"] == "http://127.0.0.1:8080/v1"
