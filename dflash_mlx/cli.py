@@ -46,7 +46,6 @@ Think = Annotated[bool, typer.Option("--think/--no-think", help="Thinking mode o
 def _load(model: Optional[str], draft: Optional[str], draft_quant: str):
     """Load (or, for the default pair, first convert) the models; one clear line on failure."""
     from . import api
-    from .convert import ConversionError
     from .defaults import resolve
     from .loading import CheckpointError
 
@@ -55,7 +54,7 @@ def _load(model: Optional[str], draft: Optional[str], draft_quant: str):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             loaded = api.load(model, draft=draft, draft_quant=draft_quant)
-    except (CheckpointError, ConversionError, ValueError) as e:
+    except (CheckpointError, ValueError) as e:
         _fail(str(e))
     for w in caught:
         typer.secho(f"warning: {w.message}", fg=typer.colors.YELLOW, err=True)
@@ -181,7 +180,13 @@ def bench(
 ) -> None:
     """Target alone vs DFlash, interleaved, greedy: speed, acceptance, and identical outputs."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
     from rich.table import Table
 
     from . import bench as bench_lib
@@ -293,14 +298,15 @@ def convert(
 
     Honours HF_HOME, HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE; interrupted downloads resume.
     """
-    from .convert import ConversionError, convert_draft
+    from .convert import convert_draft
+    from .loading import CheckpointError
 
     try:
         path, report = convert_draft(
             out, draft=draft, target=target, quant=quant, revision=revision, target_revision=target_revision,
             base_tokenizer=None if base_tokenizer.lower() == "none" else base_tokenizer, force=force,
         )
-    except (ConversionError, ValueError) as e:
+    except (CheckpointError, ValueError) as e:
         _fail(str(e))
     for check in report.checks:
         colour = {"ok": typer.colors.GREEN, "warning": typer.colors.YELLOW}.get(check["status"], typer.colors.RED)
@@ -319,11 +325,12 @@ def convert_target(
     force: bool = typer.Option(False, "--force", help="Replace the output folder if it exists."),
 ) -> None:
     """Convert a Hugging Face Qwen3.5 target to a text-only MLX checkpoint (vision tower and MTP dropped)."""
-    from .convert import ConversionError, convert_target as run
+    from .convert import convert_target as run
+    from .loading import CheckpointError
 
     try:
         path = run(model, out, quant=quant, revision=revision, force=force)
-    except (ConversionError, ValueError) as e:
+    except (CheckpointError, ValueError) as e:
         _fail(str(e))
     typer.echo(str(path))
 

@@ -40,7 +40,7 @@ TARGET_FILES = TOKENIZER_FILES + ["*.safetensors", "*.safetensors.index.json", "
 METADATA_KEY = "dflash_mlx"
 
 
-class ConversionError(RuntimeError):
+class ConversionError(loading.CheckpointError):
     """A conversion that cannot produce a correct output; the message says what to do."""
 
 
@@ -57,40 +57,6 @@ class PairReport:
         self.checks.append({"check": name, "status": status, "detail": detail})
         if not ok:
             (self.errors if severity == "error" else self.warnings).append(detail)
-
-
-def fetch(repo_or_path: str, patterns: List[str], revision: Optional[str] = None) -> Tuple[Path, str]:
-    """A local folder, or the listed files of a Hugging Face repo (HF_HOME, HF_TOKEN,
-    HF_HUB_OFFLINE and resumable downloads are huggingface_hub's own). Returns the folder and
-    the revision it holds."""
-    path = Path(repo_or_path).expanduser()
-    if path.is_dir():
-        return path, "local"
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
-        EntryNotFoundError,
-        HfHubHTTPError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
-    try:
-        folder = Path(snapshot_download(repo_or_path, revision=revision, allow_patterns=patterns))
-    except RepositoryNotFoundError as e:
-        raise ConversionError(f"repo {repo_or_path} not found on the Hub (private? set HF_TOKEN)") from e
-    except RevisionNotFoundError as e:
-        raise ConversionError(f"repo {repo_or_path} has no revision {revision!r}") from e
-    except LocalEntryNotFoundError as e:
-        raise ConversionError(
-            f"cannot download {repo_or_path}: the Hub is unreachable (or HF_HUB_OFFLINE is set) and it is not "
-            f"in the local cache; fetch it once while online (`huggingface-cli download {repo_or_path}`)"
-        ) from e
-    except (HfHubHTTPError, EntryNotFoundError, OSError) as e:
-        raise ConversionError(f"download of {repo_or_path} failed: {e}") from e
-    except Exception as e:  # httpx transport errors (connection reset mid-file, ...)
-        raise ConversionError(f"download of {repo_or_path} failed: {type(e).__name__}: {e}") from e
-    return folder, folder.name
 
 
 class _Vocabulary:
@@ -289,11 +255,11 @@ def convert_draft(
         from .models.dflash import parse_quant
 
         parse_quant(quantize_draft_spec)  # a bad spec fails before any download
-    draft_dir, draft_rev = fetch(draft, DRAFT_FILES, revision)
-    target_dir, target_rev = fetch(target, TOKENIZER_FILES, target_revision)
+    draft_dir, draft_rev = loading.fetch(draft, DRAFT_FILES, revision)
+    target_dir, target_rev = loading.fetch(target, TOKENIZER_FILES, target_revision)
     base_dir = None
     if base_tokenizer:
-        base_dir, _ = fetch(base_tokenizer, TOKENIZER_FILES)
+        base_dir, _ = loading.fetch(base_tokenizer, TOKENIZER_FILES)
     draft_config = loading.read_config(draft_dir)
     try:
         report = check_pair(draft_config, target_dir, base_dir)
@@ -344,7 +310,7 @@ def convert_target(
     if output.exists() and not force:
         raise ConversionError(f"{output} already exists (use --force to replace it)")
     parsed = parse_quant(quant)
-    source, _ = fetch(model, TARGET_FILES, revision)
+    source, _ = loading.fetch(model, TARGET_FILES, revision)
     try:
         target, config = loading.load_target(source)
     except loading.CheckpointError as e:

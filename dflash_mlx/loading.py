@@ -5,7 +5,7 @@ from __future__ import annotations
 import glob
 import json
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,29 +19,44 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, unreadable or does not fit."""
 
 
-def resolve_path(path_or_repo: str | Path, revision: Optional[str] = None) -> Path:
-    """A local folder as it is, or a Hugging Face repo id fetched into the HF cache."""
-    path = Path(path_or_repo).expanduser()
+def fetch(repo_or_path: str | Path, patterns: List[str], revision: Optional[str] = None) -> Tuple[Path, str]:
+    """A local folder as it is, or the listed files of a Hugging Face repo (fetched into the HF
+    cache; HF_HOME, HF_TOKEN, HF_ENDPOINT, HF_HUB_OFFLINE and resumed downloads are
+    huggingface_hub's own). Returns the folder and the revision it holds."""
+    path = Path(repo_or_path).expanduser()
     if path.exists():
         if not path.is_dir():
             raise CheckpointError(f"{path} is a file; expected a checkpoint folder")
-        return path
-    if str(path_or_repo).startswith((".", "/", "~")) or str(path_or_repo).count("/") != 1:
-        raise CheckpointError(f"no checkpoint folder at {path_or_repo!s} (and it is not a Hugging Face repo id)")
+        return path, "local"
+    if str(repo_or_path).startswith((".", "/", "~")) or str(repo_or_path).count("/") != 1:
+        raise CheckpointError(f"no checkpoint folder at {repo_or_path!s} (and it is not a Hugging Face repo id)")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import (
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
+    repo = str(repo_or_path)
     try:
-        return Path(snapshot_download(str(path_or_repo), revision=revision, allow_patterns=WEIGHT_PATTERNS))
+        folder = Path(snapshot_download(repo, revision=revision, allow_patterns=patterns))
     except RepositoryNotFoundError as e:
-        raise CheckpointError(f"Hugging Face repo {path_or_repo} not found (or needs HF_TOKEN)") from e
+        raise CheckpointError(f"repo {repo} not found on the Hub (private? set HF_TOKEN)") from e
+    except RevisionNotFoundError as e:
+        raise CheckpointError(f"repo {repo} has no revision {revision!r}") from e
     except LocalEntryNotFoundError as e:
         raise CheckpointError(
-            f"{path_or_repo} is not in the local Hugging Face cache and the Hub cannot be reached; "
-            f"download it with `huggingface-cli download {path_or_repo}` while online"
+            f"cannot download {repo}: the Hub is unreachable (or HF_HUB_OFFLINE is set) and it is not in the local "
+            f"cache; fetch it once while online (`huggingface-cli download {repo}`)"
         ) from e
-    except HfHubHTTPError as e:
-        raise CheckpointError(f"could not download {path_or_repo}: {e}") from e
+    except Exception as e:  # HTTP errors, connections dropped mid-file, disk errors
+        raise CheckpointError(f"download of {repo} failed: {type(e).__name__}: {e}") from e
+    return folder, folder.name
+
+
+def resolve_path(path_or_repo: str | Path, revision: Optional[str] = None) -> Path:
+    """A checkpoint folder: local, or a whole Hugging Face repo's weights, config and tokenizer."""
+    return fetch(path_or_repo, WEIGHT_PATTERNS, revision)[0]
 
 
 def read_config(path: Path) -> Dict[str, Any]:
@@ -101,13 +116,17 @@ def load_target(path: Path, dtype: Optional[mx.Dtype] = None) -> Tuple[Any, Dict
             k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and not k.endswith("A_log") else v
             for k, v in weights.items()
         }
+    return _load_weights(model, weights, path), config
+
+
+def _load_weights(model: nn.Module, weights: Dict[str, mx.array], path: Path) -> nn.Module:
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
-        raise CheckpointError(f"{path}: weights do not match the config: {e}") from e
+        raise CheckpointError(f"{path}: weights do not match its config: {e}") from e
     mx.eval(model.parameters())
     model.eval()
-    return model, config
+    return model
 
 
 def load_draft(path: Path) -> Tuple[dflash_model.DFlashDraft, Dict[str, Any]]:
@@ -117,10 +136,4 @@ def load_draft(path: Path) -> Tuple[dflash_model.DFlashDraft, Dict[str, Any]]:
     weights = model.sanitize(read_weights(path))
     if config.get("quantization"):
         quantize_from_config(model, config["quantization"], weights)
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise CheckpointError(f"{path}: draft weights do not match its config: {e}") from e
-    mx.eval(model.parameters())
-    model.eval()
-    return model, config
+    return _load_weights(model, weights, path), config

@@ -13,10 +13,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_mlx import tiny
+from dflash_mlx import loading, tiny
 from dflash_mlx.loading import load_target
 from dflash_mlx.models.dflash import DFlashDraft
-from dflash_mlx import loading
 
 VOCAB = 512
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from dflash_mlx import GenerationResponse, Sampler, generate, load, stream_generate, tiny
+from dflash_mlx import (
+    GenerationResponse,
+    Sampler,
+    generate,
+    load,
+    stream_generate,
+    tiny,
+)
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import pexpect
 import pytest
 
@@ -16,8 +17,6 @@ from dflash_mlx import tiny
 from dflash_mlx.api import load
 from dflash_mlx.chat import ChatSession
 from tests.test_lossless import assert_lossless
-
-import mlx.core as mx
 
 ROOT = Path(__file__).resolve().parents[1]
 STATS = re.compile(r"(\d+) tokens, [\d.]+ tok/s, [\d.]+ tokens/cycle, acceptance \d+%, prompt (\d+) new \+ (\d+) cached tokens")

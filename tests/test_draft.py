@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import json
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 
 from dflash_mlx import load, loading, tiny
-from dflash_mlx.models.dflash import DraftArgs, evenly_spaced_layer_ids, parse_quant, quantize_draft
+from dflash_mlx.models.dflash import (
+    DraftArgs,
+    evenly_spaced_layer_ids,
+    parse_quant,
+    quantize_draft,
+)
 from dflash_mlx.sampling import Sampler
 from dflash_mlx.speculative import speculative, target_only
 from tests.conftest import VOCAB, make_draft, random_prompts

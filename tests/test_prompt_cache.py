@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -9,8 +10,6 @@ from dflash_mlx import stream_generate, tiny
 from dflash_mlx.api import load
 from dflash_mlx.prompt_cache import PromptCache
 from tests.test_lossless import assert_lossless
-
-import mlx.core as mx
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from dflash_mlx import sampling, speculative as loop
+from dflash_mlx import sampling
+from dflash_mlx import speculative as loop
 from dflash_mlx.loading import load_target
 from dflash_mlx.sampling import Sampler
 from tests.conftest import make_draft, make_hf_target

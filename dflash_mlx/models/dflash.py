@@ -13,6 +13,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from .layers import MLP
+
+
 def evenly_spaced_layer_ids(num_target_layers: int, num_draft_layers: int) -> List[int]:
     """z-lab's default taps when a config does not list them."""
     if num_draft_layers == 1:
@@ -208,22 +211,11 @@ class DraftAttention(nn.Module):
         return visible
 
 
-class DraftMLP(nn.Module):
-    def __init__(self, dims: int, hidden_dims: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(dims, hidden_dims, bias=False)
-        self.up_proj = nn.Linear(dims, hidden_dims, bias=False)
-        self.down_proj = nn.Linear(hidden_dims, dims, bias=False)
-
-    def __call__(self, x):
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DraftLayer(nn.Module):
     def __init__(self, args: DraftArgs, layer_type: str):
         super().__init__()
         self.self_attn = DraftAttention(args, layer_type)
-        self.mlp = DraftMLP(args.hidden_size, args.intermediate_size)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 

@@ -17,6 +17,7 @@ from mlx_lm.models.cache import KVCache
 
 from .. import kernels
 from ..cache import GatedDeltaCache, GatedDeltaTape
+from .layers import MLP
 
 
 @dataclass
@@ -204,17 +205,6 @@ class Attention(nn.Module):
         out = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
         return self.o_proj(out * mx.sigmoid(gate))
-
-
-class MLP(nn.Module):
-    def __init__(self, dims: int, hidden_dims: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(dims, hidden_dims, bias=False)
-        self.up_proj = nn.Linear(dims, hidden_dims, bias=False)
-        self.down_proj = nn.Linear(hidden_dims, dims, bias=False)
-
-    def __call__(self, x):
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
