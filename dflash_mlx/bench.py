@@ -75,10 +75,14 @@ class Run:
     output: List[int] = field(default_factory=list)
 
 
-def measure(model: DFlashModel, tokenizer, prompt, use_draft: bool, block_tokens, max_tokens, chat: bool) -> Run:
+def measure(
+    model: DFlashModel, tokenizer, prompt, use_draft: bool, block_tokens, max_tokens, chat: bool, sampling=None
+) -> Run:
     request = [{"role": "user", "content": prompt}] if chat else prompt
     tokens, lengths, accepted, cycles, last = [], [], 0, 0, None
-    kwargs = dict(block_tokens=block_tokens) if use_draft else {}
+    kwargs = dict(sampling or {})
+    if use_draft:
+        kwargs["block_tokens"] = block_tokens
     for last in stream_generate(model, tokenizer, request, max_tokens=max_tokens, use_draft=use_draft, **kwargs):
         tokens.append(last.token)
         if last.cycles != cycles:
