@@ -293,6 +293,57 @@ def serve(
     uvicorn.run(app_, host=host, port=port, log_level="warning")
 
 
+@app.command("train-draft")
+def train_draft_command(
+    model: Annotated[str, typer.Option("--model", "-m", help="Target to train a draft for (anything `load` accepts).")],
+    data: Annotated[List[Path], typer.Option("--data", help="Training text: .txt/.py/... files, or .jsonl with a 'text' field per line (repeatable).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output folder: the draft in z-lab's layout (+ training_state/ for --resume).")],
+    layers: Annotated[int, typer.Option("--layers", help="Draft decoder layers.")] = 2,
+    block_size: Annotated[int, typer.Option("--block-size", help="Draft block size (tokens per block, first one the anchor).")] = 8,
+    steps: Annotated[int, typer.Option("--steps", help="Optimizer steps in total (a resumed run continues up to this).")] = 1000,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per training window.")] = 256,
+    anchors: Annotated[int, typer.Option("--anchors", help="Blocks (random anchor positions) per window and step.")] = 16,
+    learning_rate: Annotated[float, typer.Option("--learning-rate", "--lr", help="Peak AdamW learning rate (warmup, then cosine decay).")] = 3e-4,
+    labels: Annotated[str, typer.Option("--labels", help="'target': learn the target's greedy choices (what verification accepts); 'corpus': learn the text itself.")] = "target",
+    mask_token_id: Annotated[Optional[int], typer.Option("--mask-token-id", help="Mask id (default: the last embedding row, if the tokenizer never produces it).")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Random seed (windows, anchors, init).")] = 0,
+    save_every: Annotated[int, typer.Option("--save-every", help="Write the draft and the resume state every N steps.")] = 200,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run saved in --out.")] = False,
+) -> None:
+    """Train a DFlash draft for a target (block-diffusion objective, target frozen)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .train import TrainConfig, train_draft
+
+    missing = [str(p) for p in data if not p.is_file()]
+    if missing:
+        _fail(f"--data {missing[0]} does not exist")
+    if out.exists() and not resume and any(out.iterdir()):
+        _fail(f"{out} already exists and is not empty (use --resume to continue it, or another --out)")
+    loaded, tokenizer = _load(model, None, "none")
+    config = TrainConfig(
+        seq_len=seq_len, anchors=anchors, block_size=block_size, steps=steps, learning_rate=learning_rate,
+        seed=seed, save_every=save_every, labels=labels,
+    )
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    try:
+        with Progress(*columns) as progress:
+            task = progress.add_task("training", total=steps)
+
+            def on_step(step: int, loss: float) -> None:
+                progress.update(task, completed=step, description=f"loss {loss:.3f}")
+
+            losses = train_draft(
+                loaded.target, tokenizer, data, out, config, num_layers=layers, mask_token_id=mask_token_id,
+                resume=resume, on_step=on_step,
+            )
+    except (ValueError, RuntimeError) as e:
+        _fail(str(e))
+    if losses:
+        head, tail = losses[: max(1, len(losses) // 10)], losses[-max(1, len(losses) // 10) :]
+        typer.echo(f"loss {sum(head) / len(head):.3f} -> {sum(tail) / len(tail):.3f}; draft written to {out}")
+
+
 @app.command()
 def convert(
     out: str = typer.Option(..., "--out", "-o", help="Output folder for the MLX draft (must not exist unless --force)."),

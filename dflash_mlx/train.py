@@ -1,0 +1,229 @@
+"""Training a DFlash draft for a target (``dflash-mlx train-draft``).
+
+The DFlash objective: pick random anchor positions in a sequence; for each, the draft sees the
+block ``[token at anchor, MASK, ...]`` placed at the anchor's positions, attends to the target's
+context features strictly before the anchor and bidirectionally inside the block, and predicts
+the token at each slot 1.. (same-position prediction), with a cross-entropy weight that decays
+with the slot. The target (and the embedding and head the draft borrows) stay frozen. All anchors
+of a sequence train in one batched pass, each anchor a batch row with its own positions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .models.dflash import DFlashDraft, DraftArgs, evenly_spaced_layer_ids
+
+# Resume state lives beside the weights, out of the loaders' way.
+STATE_DIR = "training_state"
+
+
+@dataclass
+class TrainConfig:
+    seq_len: int = 256
+    anchors: int = 16  # blocks per sequence and step
+    block_size: int = 8
+    steps: int = 1000
+    learning_rate: float = 3e-4
+    weight_decay: float = 0.01
+    warmup: int = 50
+    decay_gamma: float = 4.0  # slot k weighs exp(-(k-1)/gamma)
+    labels: str = "target"  # "target": the target's greedy next token (what verification accepts); "corpus": the text
+    seed: int = 0
+    save_every: int = 200
+
+
+def new_draft_config(target, num_layers: int, block_size: int, mask_token_id: int) -> Dict:
+    """A z-lab (nested schema) draft config sized after the target's attention."""
+    a = target.args
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": a.hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": a.num_attention_heads,
+        "num_key_value_heads": a.num_key_value_heads,
+        "head_dim": a.head_dim,
+        "intermediate_size": a.intermediate_size,
+        "rms_norm_eps": a.rms_norm_eps,
+        "max_position_embeddings": 262144,
+        "vocab_size": a.vocab_size,
+        "layer_types": ["full_attention"] * num_layers,
+        "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta},
+        "dflash_config": {
+            "block_size": block_size,
+            "mask_token_id": mask_token_id,
+            "target_layer_ids": evenly_spaced_layer_ids(a.num_hidden_layers, num_layers),
+        },
+    }
+
+
+def block_logits(draft: DFlashDraft, features: mx.array, tokens: mx.array, anchors: mx.array) -> mx.array:
+    """Draft logits [n_anchors, B-1, V] for the blocks at ``anchors`` of one sequence.
+
+    features: [1, N, taps*H] target features of ``tokens`` [N]; block j sits at positions
+    anchors[j] .. anchors[j]+B-1 and sees context positions < anchors[j].
+    """
+    B = draft.block_size
+    n, N = anchors.shape[0], tokens.shape[0]
+    block = mx.full((n, B), draft.mask_token_id, dtype=tokens.dtype)
+    block[:, 0] = tokens[anchors]
+    x = draft._embed(block)
+    ctx = draft.hidden_norm(draft.fc(features))  # [1, N, H]
+    context_pos = mx.arange(N)[None, None, :]
+    query_pos = (anchors[:, None] + mx.arange(B)[None, :])[:, :, None]
+    before_anchor = context_pos < anchors[:, None, None]  # [n, 1, N]
+    for layer in draft.layers:
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = attn.q_norm(attn._heads(attn.q_proj(h), attn.n_heads)).transpose(0, 2, 1, 3)
+        k = attn.k_norm(attn._heads(attn.k_proj(h), attn.n_kv_heads)).transpose(0, 2, 1, 3)
+        v = attn._heads(attn.v_proj(h), attn.n_kv_heads).transpose(0, 2, 1, 3)
+        ck = attn.k_norm(attn._heads(attn.k_proj(ctx), attn.n_kv_heads)).transpose(0, 2, 1, 3)
+        cv = attn._heads(attn.v_proj(ctx), attn.n_kv_heads).transpose(0, 2, 1, 3)
+        q, k = draft.rope(q, offset=anchors), draft.rope(k, offset=anchors)
+        ck = draft.rope(ck)
+        keys = mx.concatenate([mx.broadcast_to(ck, (n, *ck.shape[1:])), k], axis=2)
+        values = mx.concatenate([mx.broadcast_to(cv, (n, *cv.shape[1:])), v], axis=2)
+        visible = before_anchor
+        if attn.sliding_window is not None:
+            visible = visible & (query_pos - context_pos < attn.sliding_window)
+        inside = attn._mask(B, 0)
+        inside = mx.ones((B, B), dtype=mx.bool_) if inside is None else inside
+        mask = mx.concatenate([mx.broadcast_to(visible, (n, B, N)), mx.broadcast_to(inside, (n, B, B))], axis=-1)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=mask[:, None])
+        x = x + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(n, B, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return draft._head(draft.norm(x[:, 1:]))
+
+
+def dflash_loss(draft, features, tokens, labels, anchors, gamma: float) -> mx.array:
+    """Weighted same-position cross-entropy; ``labels[p]`` is the wanted token at position p."""
+    B = draft.block_size
+    logits = block_logits(draft, features, tokens, anchors)
+    labels = labels[anchors[:, None] + mx.arange(1, B)[None, :]]
+    weights = mx.exp(-(mx.arange(B - 1).astype(mx.float32)) / gamma)
+    ce = nn.losses.cross_entropy(logits.astype(mx.float32), labels)  # [n, B-1]
+    return (ce * weights).sum() / (weights.sum() * anchors.shape[0])
+
+
+def corpus_tokens(paths: List[Path], tokenizer) -> np.ndarray:
+    """All text of the corpus files (``.jsonl``: the ``text`` field of each line) as one id stream."""
+    ids: List[int] = []
+    for path in paths:
+        if path.suffix == ".jsonl":
+            texts = [json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip()]
+        else:
+            texts = [path.read_text()]
+        for text in texts:
+            ids.extend(tokenizer.encode(text, add_special_tokens=False))
+            if tokenizer.eos_token_id is not None:
+                ids.append(tokenizer.eos_token_id)
+    return np.array(ids, dtype=np.int32)
+
+
+def batches(ids: np.ndarray, config: TrainConfig, rng: np.random.Generator) -> Iterator[tuple]:
+    """Random windows of the stream, each with random anchors that leave room for a block."""
+    n = config.seq_len
+    if len(ids) < n + 1:
+        raise ValueError(f"the corpus has {len(ids)} tokens; need at least {n + 1} for --seq-len {n}")
+    while True:
+        start = int(rng.integers(0, len(ids) - n))
+        window = ids[start : start + n]
+        anchors = rng.choice(np.arange(1, n - config.block_size + 1), size=config.anchors, replace=False)
+        yield mx.array(window), mx.array(np.sort(anchors).astype(np.int32))
+
+
+def save_draft(draft: DFlashDraft, config: Dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {k: v for k, v in tree_flatten(draft.parameters())}
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def train_draft(
+    target,
+    tokenizer,
+    corpus: List[Path],
+    out: Path,
+    config: TrainConfig,
+    num_layers: int = 2,
+    mask_token_id: Optional[int] = None,
+    resume: bool = False,
+    on_step=None,
+) -> List[float]:
+    """Train (or resume training) a draft for ``target`` and write it in z-lab's layout to ``out``."""
+    from .loading import load_draft
+
+    state_file = out / STATE_DIR / "state.json"
+    optimizer_file = out / STATE_DIR / "optimizer.safetensors"
+    if resume:
+        if not state_file.exists():
+            raise ValueError(f"nothing to resume in {out} (no {STATE_DIR}/state.json)")
+        draft, draft_config = load_draft(out)
+        state = json.loads(state_file.read_text())
+    else:
+        if mask_token_id is None:
+            mask_token_id = target.args.vocab_size - 1
+            if mask_token_id < len(tokenizer._tokenizer if hasattr(tokenizer, "_tokenizer") else tokenizer):
+                raise ValueError(
+                    "the target's embedding has no free row past its tokenizer for the mask token; "
+                    "pass --mask-token-id with an id the tokenizer never produces"
+                )
+        draft_config = new_draft_config(target, num_layers, config.block_size, mask_token_id)
+        draft = DFlashDraft(DraftArgs.from_dict(draft_config))
+        state = {"step": 0, "losses": []}
+    draft.bind(target)
+    if draft.block_size != config.block_size:
+        config.block_size = draft.block_size
+    ids = corpus_tokens(corpus, tokenizer)
+    rng = np.random.default_rng(config.seed + state["step"])
+    mx.random.seed(config.seed + state["step"])
+    schedule = optim.join_schedules(
+        [optim.linear_schedule(1e-7, config.learning_rate, max(config.warmup, 1)),
+         optim.cosine_decay(config.learning_rate, max(config.steps - config.warmup, 1), config.learning_rate * 0.1)],
+        [max(config.warmup, 1)],
+    )
+    optimizer = optim.AdamW(learning_rate=schedule, weight_decay=config.weight_decay)
+    if resume and optimizer_file.exists():
+        optimizer.state = tree_unflatten(list(mx.load(str(optimizer_file)).items()))
+    taps = draft.target_layer_ids
+    if config.labels not in ("target", "corpus"):
+        raise ValueError(f"labels must be 'target' or 'corpus', got {config.labels!r}")
+    loss_and_grad = nn.value_and_grad(draft, lambda f, t, y, a: dflash_loss(draft, f, t, y, a, config.decay_gamma))
+    losses = list(state["losses"])
+    data = batches(ids, config, rng)
+    while state["step"] < config.steps:
+        tokens, anchors = next(data)
+        logits, features = target.forward(tokens[None], taps=taps)
+        features = mx.stop_gradient(features)
+        if config.labels == "target":  # position p gets the target's choice after tokens[:p]
+            labels = mx.concatenate([tokens[:1], mx.argmax(logits[0, :-1], axis=-1).astype(tokens.dtype)])
+        else:
+            labels = tokens
+        loss, grads = loss_and_grad(features, tokens, labels, anchors)
+        optimizer.update(draft, grads)
+        mx.eval(loss, draft.parameters(), optimizer.state)
+        state["step"] += 1
+        losses.append(float(loss))
+        if on_step is not None:
+            on_step(state["step"], float(loss))
+        if state["step"] % config.save_every == 0 or state["step"] == config.steps:
+            state["losses"] = losses
+            save_draft(draft, draft_config, out)
+            state_file.parent.mkdir(exist_ok=True)
+            mx.save_safetensors(str(optimizer_file), dict(tree_flatten(optimizer.state)))
+            state_file.write_text(json.dumps(state))
+    if not math.isfinite(losses[-1] if losses else 0.0):
+        raise RuntimeError("training diverged (loss is not finite); lower --learning-rate")
+    return losses
