@@ -311,7 +311,13 @@ def train_draft_command(
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run saved in --out.")] = False,
 ) -> None:
     """Train a DFlash draft for a target (block-diffusion objective, target frozen)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     from .train import TrainConfig, train_draft
 
