@@ -261,6 +261,7 @@ def convert_draft(
     if base_tokenizer:
         base_dir, _ = loading.fetch(base_tokenizer, TOKENIZER_FILES)
     draft_config = loading.read_config(draft_dir)
+    target_layers = _text_config(loading.read_config(target_dir))["num_hidden_layers"]
     try:
         report = check_pair(draft_config, target_dir, base_dir)
     except (KeyError, ValueError) as e:
@@ -271,7 +272,6 @@ def convert_draft(
         model, _ = loading.load_draft(draft_dir)
     except (loading.CheckpointError, ValueError) as e:
         raise ConversionError(str(e)) from e
-    target_layers = _text_config(loading.read_config(target_dir))["num_hidden_layers"]
     ids = list(model.args.target_layer_ids or evenly_spaced_layer_ids(target_layers, model.args.num_hidden_layers))
     quantization = quantize_draft(model, quantize_draft_spec)
     config = normalized_draft_config(model.args, ids)

@@ -98,7 +98,7 @@ def quantize_from_config(model: nn.Module, quantization: Dict[str, Any], weights
     )
 
 
-def load_target(path: Path, dtype: Optional[mx.Dtype] = None) -> Tuple[Any, Dict[str, Any]]:
+def load_target(path: Path) -> Tuple[Any, Dict[str, Any]]:
     """A Qwen3.5 target (``models.qwen3_5.Model``) and its config."""
     from .models import qwen3_5
 
@@ -111,11 +111,6 @@ def load_target(path: Path, dtype: Optional[mx.Dtype] = None) -> Tuple[Any, Dict
     quantization = config.get("quantization") or (config.get("text_config") or {}).get("quantization")
     if quantization:
         quantize_from_config(model, quantization, weights)
-    if dtype is not None:
-        weights = {
-            k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and not k.endswith("A_log") else v
-            for k, v in weights.items()
-        }
     return _load_weights(model, weights, path), config
 
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
-import mlx.core as mx
-
 from .cache import GatedDeltaCache
 
 MAX_CHECKPOINTS = 8
@@ -82,6 +80,3 @@ class PromptCache:
     def extend(self, tokens: List[int]) -> None:
         """Record tokens the target cache now holds."""
         self.tokens.extend(tokens)
-
-    def arrays(self) -> List[mx.array]:
-        return [a for states in self.checkpoints.values() for pair in states for a in pair if a is not None]

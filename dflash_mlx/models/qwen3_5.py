@@ -314,7 +314,3 @@ class Model(nn.Module):
                 ):
                     out[key] = value + 1.0
         return out
-
-    @property
-    def cast_predicate(self):
-        return lambda path: not path.endswith("A_log")
