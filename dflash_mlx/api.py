@@ -49,6 +49,44 @@ class GenerationResponse(MlxLmResponse):
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
 
+@dataclass
+class RunTotals:
+    """Statistics summed over finished generations (chat sessions, the server)."""
+
+    runs: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    cycles: int = 0
+    accepted: int = 0
+    drafted: int = 0
+
+    def add(self, last: GenerationResponse) -> None:
+        """Add a generation, given its last response (its counters are cumulative)."""
+        self.runs += 1
+        self.prompt_tokens += last.prompt_tokens
+        self.cached_prompt_tokens += last.cached_prompt_tokens
+        self.tokens += last.generation_tokens
+        self.seconds += last.generation_tokens / last.generation_tps if last.generation_tps else 0.0
+        self.cycles += last.cycles
+        self.accepted += last.accepted_tokens
+        self.drafted += last.drafted_tokens
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def tokens_per_cycle(self) -> float:
+        """Committed tokens per target step after the prompt (each run's first token comes from prefill)."""
+        return (self.tokens - self.runs) / self.cycles if self.cycles else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
 def load(
     path_or_hf_repo: str,
     draft: Optional[str] = None,

@@ -6,7 +6,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from .api import DFlashModel, GenerationResponse, stream_generate
+from .api import DFlashModel, GenerationResponse, RunTotals, stream_generate
 from .prompt_cache import PromptCache
 
 HELP = """Commands:
@@ -19,32 +19,11 @@ Ctrl-C stops the answer being written and keeps the session."""
 DIM, RESET = "\033[2m", "\033[0m"
 
 
-@dataclass
-class SessionStats:
-    turns: int = 0
-    tokens: int = 0
-    seconds: float = 0.0
-    cycles: int = 0
-    accepted: int = 0
-    drafted: int = 0
-    last: Optional[GenerationResponse] = None
-
-    def add(self, r: GenerationResponse) -> None:
-        self.turns += 1
-        self.tokens += r.generation_tokens
-        self.seconds += r.generation_tokens / r.generation_tps if r.generation_tps else 0.0
-        self.cycles += r.cycles
-        self.accepted += r.accepted_tokens
-        self.drafted += r.drafted_tokens
-        self.last = r
-
-    def summary(self) -> str:
-        tps = self.tokens / self.seconds if self.seconds else 0.0
-        text = f"{self.turns} turns, {self.tokens} tokens, {tps:.1f} tok/s"
-        if self.drafted:
-            text += f", {(self.tokens - self.turns) / max(self.cycles, 1):.2f} tokens/cycle"
-            text += f", acceptance {self.accepted / self.drafted:.0%}"
-        return text
+def summary(totals: RunTotals) -> str:
+    text = f"{totals.runs} turns, {totals.tokens} tokens, {totals.tokens_per_second:.1f} tok/s"
+    if totals.drafted:
+        text += f", {totals.tokens_per_cycle:.2f} tokens/cycle, acceptance {totals.acceptance_rate:.0%}"
+    return text
 
 
 def answer_line(r: GenerationResponse, speculative: bool) -> str:
@@ -65,7 +44,7 @@ class ChatSession:
     generation: Dict = field(default_factory=dict)  # max_tokens, block_tokens, sampling
     history: List[Dict[str, str]] = field(default_factory=list)
     cache: PromptCache = field(default_factory=PromptCache)
-    stats: SessionStats = field(default_factory=SessionStats)
+    stats: RunTotals = field(default_factory=RunTotals)
     last_tokens: List[int] = field(default_factory=list)
 
     def reset(self) -> None:
@@ -126,7 +105,7 @@ def run_chat(session: ChatSession, speculative: bool) -> None:
             session.reset()
             print("(conversation cleared)")
         elif command == "/stats":
-            print(session.stats.summary())
+            print(summary(session.stats))
         elif command.startswith("/"):
             print(f"unknown command {command}; /help lists them")
         else:

@@ -25,7 +25,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .api import DFlashModel, GenerationResponse, encode_prompt, stream_generate
+from .api import (
+    DFlashModel,
+    GenerationResponse,
+    RunTotals,
+    encode_prompt,
+    stream_generate,
+)
 from .prompt_cache import PromptCache
 
 
@@ -106,44 +112,33 @@ def _unsupported(req: SamplingRequest) -> None:
 
 @dataclass
 class Metrics:
-    requests: int = 0
+    """What /metrics reports: finished generations plus the server's own counters."""
+
+    totals: RunTotals = field(default_factory=RunTotals)
     errors: int = 0
     cancelled: int = 0
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    generated_tokens: int = 0
-    generation_seconds: float = 0.0
-    cycles: int = 0
-    accepted: int = 0
-    drafted: int = 0
     queued: int = 0
     last_tps: float = 0.0
     started: float = field(default_factory=time.time)
 
-    def add(self, r: GenerationResponse) -> None:
-        self.prompt_tokens += r.prompt_tokens
-        self.cached_prompt_tokens += r.cached_prompt_tokens
-        self.generated_tokens += r.generation_tokens
-        self.generation_seconds += r.generation_tokens / r.generation_tps if r.generation_tps else 0.0
-        self.cycles += r.cycles
-        self.accepted += r.accepted_tokens
-        self.drafted += r.drafted_tokens
-        self.last_tps = r.generation_tps
+    def add(self, last: GenerationResponse) -> None:
+        self.totals.add(last)
+        self.last_tps = last.generation_tps
 
     def prometheus(self, model: str) -> str:
-        tokens_per_cycle = (self.accepted + self.cycles) / self.cycles if self.cycles else 0.0
+        t = self.totals
         rows = [
-            ("dflash_requests_total", "counter", "Completed generation requests", self.requests),
+            ("dflash_requests_total", "counter", "Completed generation requests", t.runs),
             ("dflash_request_errors_total", "counter", "Requests answered with an error", self.errors),
             ("dflash_requests_cancelled_total", "counter", "Generations cancelled by a disconnect", self.cancelled),
             ("dflash_queue_depth", "gauge", "Generations waiting or running", self.queued),
-            ("dflash_prompt_tokens_total", "counter", "Prompt tokens received", self.prompt_tokens),
-            ("dflash_cached_prompt_tokens_total", "counter", "Prompt tokens reused from the prefix cache", self.cached_prompt_tokens),
-            ("dflash_generated_tokens_total", "counter", "Tokens generated", self.generated_tokens),
-            ("dflash_generation_tokens_per_second", "gauge", "Decode speed over all requests", self.generated_tokens / self.generation_seconds if self.generation_seconds else 0.0),
+            ("dflash_prompt_tokens_total", "counter", "Prompt tokens received", t.prompt_tokens),
+            ("dflash_cached_prompt_tokens_total", "counter", "Prompt tokens reused from the prefix cache", t.cached_prompt_tokens),
+            ("dflash_generated_tokens_total", "counter", "Tokens generated", t.tokens),
+            ("dflash_generation_tokens_per_second", "gauge", "Decode speed over all requests", t.tokens_per_second),
             ("dflash_last_generation_tokens_per_second", "gauge", "Decode speed of the last request", self.last_tps),
-            ("dflash_tokens_per_cycle", "gauge", "Committed tokens per target step", tokens_per_cycle),
-            ("dflash_acceptance_rate", "gauge", "Accepted share of drafted tokens", self.accepted / self.drafted if self.drafted else 0.0),
+            ("dflash_tokens_per_cycle", "gauge", "Committed tokens per target step", t.tokens_per_cycle),
+            ("dflash_acceptance_rate", "gauge", "Accepted share of drafted tokens", t.acceptance_rate),
         ]
         out = []
         for name, kind, doc, value in rows:
@@ -191,7 +186,6 @@ class Engine:
                 job.emit("token", last)
             if last is not None:
                 self.metrics.add(last)
-            self.metrics.requests += 1
         except Exception as e:  # reported to the client as a 500 in OpenAI's shape
             self.metrics.errors += 1
             job.emit("error", f"{type(e).__name__}: {e}")
