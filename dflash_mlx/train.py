@@ -85,12 +85,8 @@ def block_logits(draft: DFlashDraft, features: mx.array, tokens: mx.array, ancho
     before_anchor = context_pos < anchors[:, None, None]  # [n, 1, N]
     for layer in draft.layers:
         attn = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = attn.q_norm(attn._heads(attn.q_proj(h), attn.n_heads)).transpose(0, 2, 1, 3)
-        k = attn.k_norm(attn._heads(attn.k_proj(h), attn.n_kv_heads)).transpose(0, 2, 1, 3)
-        v = attn._heads(attn.v_proj(h), attn.n_kv_heads).transpose(0, 2, 1, 3)
-        ck = attn.k_norm(attn._heads(attn.k_proj(ctx), attn.n_kv_heads)).transpose(0, 2, 1, 3)
-        cv = attn._heads(attn.v_proj(ctx), attn.n_kv_heads).transpose(0, 2, 1, 3)
+        q, k, v = attn.project(layer.input_layernorm(x))
+        ck, cv = attn.project_context(ctx)
         q, k = draft.rope(q, offset=anchors), draft.rope(k, offset=anchors)
         ck = draft.rope(ck)
         keys = mx.concatenate([mx.broadcast_to(ck, (n, *ck.shape[1:])), k], axis=2)
@@ -101,8 +97,7 @@ def block_logits(draft: DFlashDraft, features: mx.array, tokens: mx.array, ancho
         inside = attn._mask(B, 0)
         inside = mx.ones((B, B), dtype=mx.bool_) if inside is None else inside
         mask = mx.concatenate([mx.broadcast_to(visible, (n, B, N)), mx.broadcast_to(inside, (n, B, B))], axis=-1)
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=mask[:, None])
-        x = x + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(n, B, -1))
+        x = x + attn.attend(q, keys, values, mask[:, None])
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return draft._head(draft.norm(x[:, 1:]))
 

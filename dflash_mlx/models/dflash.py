@@ -179,24 +179,35 @@ class DraftAttention(nn.Module):
         B, T, _ = x.shape
         return x.reshape(B, T, n, self.head_dim)
 
+    def project_context(self, ctx: mx.array):
+        """Context features -> this layer's keys and values [B, Hkv, S, D], before RoPE.
+
+        They skip the layer's input norm by design: they are keys/values, not residual input."""
+        k = self.k_norm(self._heads(self.k_proj(ctx), self.n_kv_heads)).transpose(0, 2, 1, 3)
+        return k, self._heads(self.v_proj(ctx), self.n_kv_heads).transpose(0, 2, 1, 3)
+
+    def project(self, x: mx.array):
+        """Normed block input -> queries, keys, values [B, H, L, D], before RoPE."""
+        q = self.q_norm(self._heads(self.q_proj(x), self.n_heads)).transpose(0, 2, 1, 3)
+        return (q, *self.project_context(x))
+
+    def attend(self, q, keys, values, mask) -> mx.array:
+        B, _, L, _ = q.shape
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
     def add_context(self, ctx: mx.array, rope, cache: ContextCache) -> None:
-        """Project context features into this layer's K/V cache (no layer norm, by design)."""
-        ck = self.k_norm(self._heads(self.k_proj(ctx), self.n_kv_heads)).transpose(0, 2, 1, 3)
-        cv = self._heads(self.v_proj(ctx), self.n_kv_heads).transpose(0, 2, 1, 3)
+        """Project context features into this layer's K/V cache."""
+        ck, cv = self.project_context(ctx)
         cache.append(rope(ck, offset=cache.offset), cv)
 
     def __call__(self, x, rope, cache: ContextCache):
-        B, L, _ = x.shape
-        q = self.q_norm(self._heads(self.q_proj(x), self.n_heads)).transpose(0, 2, 1, 3)
-        k = self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)).transpose(0, 2, 1, 3)
-        v = self._heads(self.v_proj(x), self.n_kv_heads).transpose(0, 2, 1, 3)
+        q, k, v = self.project(x)
         q = rope(q, offset=cache.offset)
         k = rope(k, offset=cache.offset)
         keep = None if self.sliding_window is None else self.sliding_window - 1
         keys, values, n_ctx = cache.fetch_with_block(k, v, keep)
-        mask = self._mask(L, n_ctx)
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.attend(q, keys, values, self._mask(q.shape[2], n_ctx))
 
     def _mask(self, L: int, n_ctx: int) -> Optional[mx.array]:
         if not self.is_causal and self.sliding_window is None:
