@@ -12,6 +12,13 @@ Shapes (mlx-lm layout):
 The tape of a step is its innovation ``delta`` [B, T, Hv, Dv] (float32); with ``k`` and
 ``g`` it is enough to rebuild the state after any prefix of the steps without a single
 dot product: ``S = g*S + delta ⊗ k``.
+
+Three implementations: the Metal kernels (Apple GPU), the step-by-step reference (the
+specification, and the decode step everywhere), and a chunked form for multi-token calls
+off Metal. The chunked form solves a block's deltas as one small triangular system
+(the WY/UT form of the delta rule), so a verify pass or a prefill chunk costs a handful of
+batched operations instead of a few per token: on MLX's CPU backend, where every operation
+has a fixed dispatch cost, that is what makes verifying a block cheap.
 """
 
 from __future__ import annotations
@@ -140,6 +147,79 @@ def tape_replay_reference(
     return state
 
 
+# Tokens per chunk of the chunked form: one triangular solve per chunk.
+CHUNK = 64
+
+
+def _log_decay(g):
+    # A decay that underflowed to 0 clears the state; a floor keeps the cumulative sums finite.
+    return mx.cumsum(mx.log(mx.maximum(g.astype(mx.float32), 1e-30)).swapaxes(1, 2), axis=-1)
+
+
+def _head_major(x):
+    return x.swapaxes(1, 2).astype(mx.float32)
+
+
+def _state_after(state, K, lg, delta):
+    """S_n = G_n S_0 + sum_s (G_n/G_s) delta_s k_s^T over the chunk (head-major operands)."""
+    weights = mx.exp(lg[..., -1:] - lg)[..., None]
+    return mx.exp(lg[..., -1])[..., None, None] * state + (delta * weights).swapaxes(-1, -2) @ K
+
+
+@mx.compile
+def _chunk_step(q, k, v, g, beta, state):
+    """One chunk, token-major in and out like the reference: ``(y, state, delta)``.
+
+    delta_t = beta_t (v_t - G_t S_0 k_t - sum_{s<t} (G_t/G_s) (k_s.k_t) delta_s) is a unit
+    lower-triangular system in the chunk's deltas, solved with one triangular inverse.
+    """
+    Q, K, V = _head_major(q), _head_major(k), _head_major(v)
+    lg, b = _log_decay(g), _head_major(beta[..., None])[..., 0]
+    T = Q.shape[2]
+    causal = mx.tril(mx.ones((T, T), dtype=mx.bool_))
+    decay = mx.exp(mx.where(causal, lg[..., :, None] - lg[..., None, :], -mx.inf))  # G_t/G_s, s <= t
+    strictly_lower = b[..., None] * decay * (K @ K.swapaxes(-1, -2)) * (1 - mx.eye(T))
+    start = mx.exp(lg)[..., None]
+    state_t = state.swapaxes(-1, -2)  # [B, H, Dk, Dv]
+    rhs = b[..., None] * (V - start * (K @ state_t))
+    delta = mx.linalg.tri_inv(mx.eye(T) + strictly_lower, upper=False, stream=mx.cpu) @ rhs
+    y = start * (Q @ state_t) + ((Q @ K.swapaxes(-1, -2)) * decay) @ delta
+    return y.swapaxes(1, 2), _state_after(state, K, lg, delta), delta.swapaxes(1, 2)
+
+
+@mx.compile
+def _replay_chunk(k, g, delta, state):
+    return _state_after(state, _head_major(k), _log_decay(g), _head_major(delta))
+
+
+def gated_delta_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
+    """Chunked recurrence: returns ``(y, final_state, delta_tape)`` like the reference."""
+    hv = v.shape[-2]
+    q, k = _expand_heads(q, hv), _expand_heads(k, hv)
+    ys, deltas = [], []
+    for s in range(0, q.shape[1], chunk):
+        e = s + chunk
+        y, state, delta = _chunk_step(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], state)
+        ys.append(y)
+        deltas.append(delta)
+    y = ys[0] if len(ys) == 1 else mx.concatenate(ys, axis=1)
+    return y.astype(q.dtype), state, deltas[0] if len(deltas) == 1 else mx.concatenate(deltas, axis=1)
+
+
+def tape_replay_chunked(state, k, g, delta, steps: int):
+    """Replay as one weighted sum per chunk (the algebra of ``_state_after``)."""
+    k = _expand_heads(k, delta.shape[-2])
+    for s in range(0, steps, CHUNK):
+        e = min(s + CHUNK, steps)
+        state = _replay_chunk(k[:, s:e], g[:, s:e], delta[:, s:e], state)
+    return state
+
+
+def use_chunked(k: mx.array) -> bool:
+    """Multi-token calls off Metal take the chunked form (``reference`` forces the loop)."""
+    return os.environ.get(BACKEND_ENV, "auto") != "reference" and k.shape[1] > 1 and mx.default_device() == mx.cpu
+
+
 def gated_delta(
     q: mx.array,
     k: mx.array,
@@ -156,6 +236,8 @@ def gated_delta(
     if use_metal(k, v):
         y, state, delta = gated_delta_metal(q, k, v, g, beta, state)
         return y.astype(q.dtype), state, delta
+    if use_chunked(k):
+        return gated_delta_chunked(q, k, v, g, beta, state)
     return gated_delta_reference(q, k, v, g, beta, state)
 
 
@@ -167,4 +249,6 @@ def tape_replay(
         return state
     if use_metal(k, delta):
         return tape_replay_metal(state, k, g, delta, steps)
+    if use_chunked(k[:, :steps]):
+        return tape_replay_chunked(state, k, g, delta, steps)
     return tape_replay_reference(state, k, g, delta, steps)

@@ -150,18 +150,43 @@ def test_rollback_leaves_the_caches_of_the_committed_tokens(target, prompts, ref
             break
 
 
-def test_replayed_state_is_bit_identical_to_the_forward_state(target):
-    """Replaying all of a tape reproduces the recurrence's own final state exactly."""
-    from dflash_mlx import kernels
-
-    rng = np.random.default_rng(0)
-    B, T, Hk, Hv, Dk, Dv = 1, 8, 2, 4, 32, 16
-    q, k = (mx.array(rng.standard_normal((B, T, Hk, Dk)).astype(np.float32) * 0.2) for _ in range(2))
+def _recurrence_inputs(seed=0, T=8, B=1, Hk=2, Hv=4, Dk=32, Dv=16):
+    rng = np.random.default_rng(seed)
+    q, k = (rng.standard_normal((B, T, Hk, Dk)).astype(np.float32) for _ in range(2))
+    q, k = (mx.array(x / np.linalg.norm(x, axis=-1, keepdims=True)) for x in (q * Dk**-0.5, k))
     v = mx.array(rng.standard_normal((B, T, Hv, Dv)).astype(np.float32))
     g = mx.array(rng.uniform(0.5, 1.0, (B, T, Hv)).astype(np.float32))
     beta = mx.array(rng.uniform(0, 1, (B, T, Hv)).astype(np.float32))
     state = mx.array(rng.standard_normal((B, Hv, Dv, Dk)).astype(np.float32))
+    return q, k, v, g, beta, state
+
+
+def test_replayed_state_is_bit_identical_to_the_forward_state(monkeypatch):
+    """Step by step, replaying a tape reproduces the recurrence's own state exactly."""
+    from dflash_mlx import kernels
+
+    monkeypatch.setenv(kernels.BACKEND_ENV, "reference")
+    q, k, v, g, beta, state = _recurrence_inputs()
+    T = q.shape[1]
     for n in range(T + 1):
         _, direct, _ = kernels.gated_delta(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], state) if n else (None, state, None)
         _, _, tape = kernels.gated_delta(q, k, v, g, beta, state)
         np.testing.assert_array_equal(np.array(kernels.tape_replay(state, k, g, tape, n)), np.array(direct))
+
+
+@pytest.mark.parametrize("T", [2, 7, 16, 150])
+def test_chunked_recurrence_and_replay_match_the_reference(T):
+    """The chunked (triangular-solve) form used on the CPU equals the step-by-step one."""
+    from dflash_mlx import kernels
+
+    q, k, v, g, beta, state = _recurrence_inputs(seed=T, T=T)
+    g = mx.where(mx.arange(T)[None, :, None] == T // 2, 0.0, g)  # a decay that underflowed
+    want_y, want_state, want_delta = kernels.gated_delta_reference(q, k, v, g, beta, state)
+    y, final, delta = kernels.gated_delta_chunked(q, k, v, g, beta, state)  # 150: three chunks
+    for got, want in ((y, want_y), (final, want_state), (delta, want_delta)):
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-5)
+    for n in sorted({1, T // 2, T - 1, T}):
+        np.testing.assert_allclose(
+            np.array(kernels.tape_replay_chunked(state, k, g, delta, n)),
+            np.array(kernels.tape_replay_reference(state, k, g, want_delta, n)), atol=2e-5, rtol=1e-5,
+        )
