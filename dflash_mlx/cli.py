@@ -31,8 +31,8 @@ def main() -> None:
 
 
 # Model and decoding options shared by chat, generate and bench.
-Model = Annotated[Optional[str], typer.Option("--model", "-m", help="Target: local folder or Hugging Face repo id. Default: Qwopus3.5-9B-Coder, converted to MLX 4-bit on first use.")]
-Draft = Annotated[Optional[str], typer.Option("--draft", "-d", help="DFlash draft folder or repo id. Default with the default model: z-lab's Qwen3.5-9B draft converted for Qwopus; with --model: none (target alone).")]
+Model = Annotated[Optional[str], typer.Option("--model", "-m", help="Target: local folder, Hugging Face repo id, or 'demo' (the tiny pair shipped in the package; works offline). Default: Qwopus3.5-9B-Coder, converted to MLX 4-bit on first use.")]
+Draft = Annotated[Optional[str], typer.Option("--draft", "-d", help="DFlash draft folder or repo id. Default with the default model: z-lab's Qwen3.5-9B draft converted for Qwopus; with --model demo: the demo draft; with another --model: none (target alone).")]
 DraftQuant = Annotated[str, typer.Option("--draft-quant", help="Quantize the draft at load: w4, w8, w4:gs32 … or none.")]
 BlockTokens = Annotated[Optional[int], typer.Option("--block-tokens", "-b", help="Tokens per draft block, 1 .. the draft's block size (default: the draft's).")]
 MaxTokens = Annotated[int, typer.Option("--max-tokens", help="Stop an answer after this many tokens.")]
@@ -299,6 +299,7 @@ def train_draft_command(
     data: Annotated[List[Path], typer.Option("--data", help="Training text: .txt/.py/... files, or .jsonl with a 'text' field per line (repeatable).")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Output folder: the draft in z-lab's layout (+ training_state/ for --resume).")],
     layers: Annotated[int, typer.Option("--layers", help="Draft decoder layers.")] = 2,
+    taps: Annotated[str, typer.Option("--taps", help="Target layers whose outputs the draft reads, comma-separated (e.g. 1,3,5); default: spread evenly, one per draft layer.")] = "",
     block_size: Annotated[int, typer.Option("--block-size", help="Draft block size (tokens per block, first one the anchor).")] = 8,
     steps: Annotated[int, typer.Option("--steps", help="Optimizer steps in total (a resumed run continues up to this).")] = 1000,
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per training window.")] = 256,
@@ -321,6 +322,10 @@ def train_draft_command(
 
     from .train import TrainConfig, train_draft
 
+    try:
+        tap_ids = [int(t) for t in taps.split(",") if t.strip()] or None
+    except ValueError:
+        _fail(f"--taps {taps!r}: expected layer numbers separated by commas")
     missing = [str(p) for p in data if not p.is_file()]
     if missing:
         _fail(f"--data {missing[0]} does not exist")
@@ -341,7 +346,7 @@ def train_draft_command(
 
             losses = train_draft(
                 loaded.target, tokenizer, data, out, config, num_layers=layers, mask_token_id=mask_token_id,
-                resume=resume, on_step=on_step,
+                resume=resume, on_step=on_step, taps=tap_ids,
             )
     except (ValueError, RuntimeError) as e:
         _fail(str(e))

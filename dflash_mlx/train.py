@@ -43,9 +43,13 @@ class TrainConfig:
     save_every: int = 200
 
 
-def new_draft_config(target, num_layers: int, block_size: int, mask_token_id: int) -> Dict:
+def new_draft_config(target, num_layers: int, block_size: int, mask_token_id: int, taps: Optional[List[int]] = None) -> Dict:
     """A z-lab (nested schema) draft config sized after the target's attention."""
     a = target.args
+    taps = list(taps) if taps else evenly_spaced_layer_ids(a.num_hidden_layers, num_layers)
+    bad = [t for t in taps if not 0 <= t < a.num_hidden_layers]
+    if bad:
+        raise ValueError(f"tap {bad[0]} is not a layer of the {a.num_hidden_layers}-layer target (0..{a.num_hidden_layers - 1})")
     return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
@@ -63,7 +67,7 @@ def new_draft_config(target, num_layers: int, block_size: int, mask_token_id: in
         "dflash_config": {
             "block_size": block_size,
             "mask_token_id": mask_token_id,
-            "target_layer_ids": evenly_spaced_layer_ids(a.num_hidden_layers, num_layers),
+            "target_layer_ids": taps,
         },
     }
 
@@ -155,11 +159,13 @@ def train_draft(
     num_layers: int = 2,
     mask_token_id: Optional[int] = None,
     resume: bool = False,
+    taps: Optional[List[int]] = None,
     on_step=None,
 ) -> List[float]:
     """Train (or resume training) a draft for ``target`` and write it in z-lab's layout to ``out``."""
     from .loading import load_draft
 
+    mx.random.seed(config.seed)  # before the draft exists: its initialisation is part of the run
     state_file = out / STATE_DIR / "state.json"
     optimizer_file = out / STATE_DIR / "optimizer.safetensors"
     if resume:
@@ -175,7 +181,7 @@ def train_draft(
                     "the target's embedding has no free row past its tokenizer for the mask token; "
                     "pass --mask-token-id with an id the tokenizer never produces"
                 )
-        draft_config = new_draft_config(target, num_layers, config.block_size, mask_token_id)
+        draft_config = new_draft_config(target, num_layers, config.block_size, mask_token_id, taps)
         draft = DFlashDraft(DraftArgs.from_dict(draft_config))
         state = {"step": 0, "losses": []}
     draft.bind(target)

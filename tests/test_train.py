@@ -84,15 +84,18 @@ def test_cli_trains_and_rejects_bad_input(setup, tmp_path):
     base = [sys.executable, "-m", "dflash_mlx.cli", "train-draft", "-m", str(target_dir)]
     done = subprocess.run(
         base + ["--data", str(corpus), "--out", str(tmp_path / "d"), "--steps", "12", "--seq-len", "64",
-                "--anchors", "4", "--block-size", "4", "--layers", "1", "--save-every", "6"],
+                "--anchors", "4", "--block-size", "4", "--layers", "1", "--taps", "0,2", "--save-every", "6"],
         capture_output=True, text=True, cwd=ROOT, timeout=300,
     )
     assert done.returncode == 0, done.stderr
     assert "draft written to" in done.stdout and (tmp_path / "d" / "model.safetensors").exists()
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["dflash_config"]["target_layer_ids"] == [0, 2]
     for args, message in (
         (["--data", str(tmp_path / "none.txt"), "--out", str(tmp_path / "e")], "does not exist"),
         (["--data", str(corpus), "--out", str(tmp_path / "d")], "already exists and is not empty"),
         (["--data", str(corpus), "--out", str(tmp_path / "f"), "--resume"], "nothing to resume"),
+        (["--data", str(corpus), "--out", str(tmp_path / "g"), "--taps", "1,9"], "tap 9 is not a layer"),
+        (["--data", str(corpus), "--out", str(tmp_path / "h"), "--taps", "a"], "expected layer numbers"),
     ):
         bad = subprocess.run(base + args, capture_output=True, text=True, cwd=ROOT, timeout=300)
         assert bad.returncode == 1 and message in bad.stderr and "Traceback" not in bad.stderr
