@@ -13,7 +13,7 @@ from mlx_lm.generate import GenerationResponse as MlxLmResponse
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from . import loading
+from . import defaults, loading
 from .models.dflash import DFlashDraft, quantize_draft
 from .models.qwen3_5 import Model as Target
 from .prompt_cache import PromptCache
@@ -97,9 +97,12 @@ def load(
 ) -> tuple[DFlashModel, TokenizerWrapper]:
     """Load a Qwen3.5 target (HF or MLX layout, local or from the Hub) and optionally a draft.
 
+    ``"demo"`` loads the tiny pair shipped in the package, draft included.
     ``draft_quant``: ``w4``, ``w8``, ``w4:gs32``… quantizes the draft's linear layers.
     ``draft_window``: keep only that many recent context tokens in the draft's cache.
     """
+    if path_or_hf_repo == defaults.DEMO:
+        path_or_hf_repo, draft = defaults.demo(draft)
     target_path = loading.resolve_path(path_or_hf_repo, revision)
     target, config = loading.load_target(target_path)
     eos = config.get("eos_token_id") or (config.get("text_config") or {}).get("eos_token_id")

@@ -1,7 +1,11 @@
-"""The default pairing: Qwopus3.5-9B-Coder (MLX 4-bit) with z-lab's Qwen3.5-9B draft converted for it.
+"""Named models: the default pairing, and the demo pair that ships in the package.
 
-Both are made on first use (``convert_target`` / ``convert_draft``) and kept under
-``$DFLASH_MLX_HOME`` (default ``~/.cache/dflash-mlx``).
+Default: Qwopus3.5-9B-Coder (MLX 4-bit) with z-lab's Qwen3.5-9B draft converted for it, both
+made on first use (``convert_target`` / ``convert_draft``) and kept under ``$DFLASH_MLX_HOME``
+(default ``~/.cache/dflash-mlx``).
+
+``demo``: a tiny Qwen3.5 target trained on the Python standard library and its DFlash draft
+(``dflash_mlx/demo/``, rebuilt by ``examples/make_demo.py``), so that everything runs offline.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from typing import Optional, Tuple
 
 from .convert import DEFAULT_DRAFT, DEFAULT_TARGET, convert_draft, convert_target
 
+DEMO = "demo"
+DEMO_DIR = Path(__file__).parent / "demo"
 TARGET_FOLDER = "Qwopus3.5-9B-Coder-mlx-4bit"
 DRAFT_FOLDER = "Qwen3.5-9B-DFlash-for-Qwopus"
 
@@ -21,8 +27,22 @@ def home() -> Path:
     return Path(os.environ.get("DFLASH_MLX_HOME", "~/.cache/dflash-mlx")).expanduser()
 
 
+def demo(draft: Optional[str] = None) -> Tuple[str, str]:
+    """The shipped demo pair's folders (``draft`` replaces the demo draft when given)."""
+    from .loading import CheckpointError
+
+    if not (DEMO_DIR / "target" / "config.json").exists():
+        raise CheckpointError(
+            f"the demo pair is missing from {DEMO_DIR}: reinstall dflash-mlx, or rebuild it with "
+            "python examples/make_demo.py --work BUILD --install"
+        )
+    return str(DEMO_DIR / "target"), draft or str(DEMO_DIR / "draft")
+
+
 def resolve(model: Optional[str], draft: Optional[str]) -> Tuple[str, Optional[str]]:
-    """``--model``/``--draft`` as given, or the default pair (converted and cached on first use)."""
+    """``--model``/``--draft`` as given, ``demo``, or the default pair (converted and cached on first use)."""
+    if model == DEMO:
+        return demo(draft)
     if model is not None:
         return model, draft
     target_dir = home() / TARGET_FOLDER

@@ -11,9 +11,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(*args, input=None):
+def run(*args, input=None, offline=False):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if offline:  # no network: any download attempt fails at once
+        env.update(HF_HUB_OFFLINE="1", HF_ENDPOINT="http://127.0.0.1:9")
     return subprocess.run(args, capture_output=True, text=True, input=input, env=env, timeout=300, cwd=ROOT)
+
+
+def test_readme_first_command_after_install_is_the_demo_and_runs_offline():
+    readme = (ROOT / "README.md").read_text()
+    quick_start = readme[readme.index("## Quick start"):]
+    first_block = quick_start[quick_start.index("```bash") + len("```bash"):].strip().splitlines()[0]
+    assert first_block.startswith("dflash-mlx generate --model demo"), first_block
+    args = first_block.split(" ", 1)[1]
+    import shlex
+
+    done = run(sys.executable, "-m", "dflash_mlx.cli", *shlex.split(args), "--max-tokens", "16", offline=True)
+    assert done.returncode == 0, done.stderr
+    assert "tokens/cycle" in done.stderr
 
 
 def test_readme_quick_start_runs_as_written(tmp_path):

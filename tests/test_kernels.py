@@ -144,7 +144,7 @@ def test_reference_switch_and_dispatch_rules(monkeypatch):
     assert not kernels.use_metal(mx.zeros((1, 2, 2, 48)), v)  # Dk not a multiple of 32
 
 
-def test_kernel_sources_ship_in_the_wheel(tmp_path):
+def test_kernel_sources_and_the_demo_pair_ship_in_the_wheel(tmp_path):
     import subprocess
     import sys
     import zipfile
@@ -160,6 +160,10 @@ def test_kernel_sources_ship_in_the_wheel(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     for kernel in kernels.KERNEL_NAMES:
         assert f"dflash_mlx/metal/{kernel}.metal" in names
+    demo = root / "dflash_mlx" / "demo"
+    shipped = {str(p.relative_to(root)) for p in demo.rglob("*") if p.is_file()}
+    assert {"dflash_mlx/demo/target/model.safetensors", "dflash_mlx/demo/draft/model.safetensors"} <= shipped
+    assert shipped <= set(names), sorted(shipped - set(names))
 
 
 @pytest.mark.skipif(not mx.metal.is_available(), reason="needs an Apple GPU (Metal)")

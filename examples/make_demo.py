@@ -1,0 +1,477 @@
+"""Rebuild the demo pair that ships as ``--model demo``, from scratch, offline.
+
+    python examples/make_demo.py --work /tmp/demo-build            # about 80 minutes on 2 CPU cores
+    python examples/make_demo.py --work /tmp/demo-build --install  # then copy it into the package
+
+1. Corpus: the Python standard library of the running interpreter (no download). Functions and
+   classes become chat examples: "write this function" (the answer is its source) and file
+   edits (rename a function or a variable, add return hints, drop docstrings: the answer is
+   the file copied with a small edit, which is what the bench's ``edit`` workload measures).
+   Raw source chunks are mixed in for plain code modelling.
+2. Tokenizer: a 511-token byte-level BPE trained on that corpus, with Qwen's special tokens and
+   chat template (row 511 of the embedding is left free for the draft's mask token).
+3. Target: a tiny Qwen3.5 (Gated DeltaNet + full attention) trained with transformers on torch,
+   which is the fastest trainer on this CPU, and saved with ``save_pretrained``: the shipped
+   weights go through the same HF loading path as any Qwen3.5 checkpoint.
+   A second stage on the edit examples alone (loss on the answers) is what teaches it to copy.
+4. Draft: ``dflash-mlx train-draft`` on the same corpus, with the target's greedy choices as
+   labels (what verification accepts). Status: this draft does not learn yet (its loss stays at
+   the unigram level), see the model card; fixing that is the open part of issue 6.
+5. A model card (``README.md``) with data, sizes, steps and losses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import math
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import time
+from pathlib import Path
+
+VOCAB_SIZE = 512  # embedding rows; the tokenizer uses 511 of them
+TARGET_CONFIG = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=32,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    hidden_act="silu",
+    max_position_embeddings=4096,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+)
+DRAFT_TAPS = "1,3,5"  # the draft reads an early, a middle and the last layer
+SYSTEM_OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"  # Debian's libopenblas0
+SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "site-packages", "ensurepip", "pydoc_data", "encodings", "__pycache__", "config-3.11-x86_64-linux-gnu"}
+EDIT_REPLY = "Reply with the whole updated file and nothing else."
+WORDS = ["total", "count", "items", "value", "result", "record", "entry", "buffer", "parse", "load", "read", "write",
+         "build", "make", "check", "apply", "handle", "node", "name", "data", "index", "key", "path", "text", "line"]
+
+
+# ----------------------------------------------------------------------------- corpus
+
+def stdlib_files():
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(root.rglob("*.py")):
+        if not SKIP_DIRS.intersection(path.relative_to(root).parts):
+            yield path
+
+
+def definitions(source: str):
+    """Top-level functions and classes, and methods (dedented), as source text."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    out = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            out.append(ast.get_source_segment(source, node))
+            if isinstance(node, ast.ClassDef):
+                out.extend(textwrap.dedent(ast.get_source_segment(source, m, padded=True) or "") for m in node.body
+                           if isinstance(m, ast.FunctionDef))
+    return [s for s in out if s and s.isascii() and "\t" not in s and parses(s)]
+
+
+def parses(code: str) -> bool:
+    try:
+        ast.parse(code)
+        return True
+    except SyntaxError:  # e.g. a method whose strings defeat dedent
+        return False
+
+
+def new_name(old: str, rng: random.Random) -> str:
+    choice = rng.random()
+    if choice < 0.4:
+        return "_".join(rng.sample(WORDS, 2))
+    if choice < 0.7:
+        return old + rng.choice(["_all", "_impl", "_new", "_v2", "_safe", "_fast"])
+    return rng.choice(["get_", "do_", "new_", "compute_"]) + old.lstrip("_")
+
+
+def rename(code: str, old: str, new: str) -> str:
+    return re.sub(rf"\b{re.escape(old)}\b", new, code)
+
+
+def drop_docstrings(code: str) -> str:
+    tree = ast.parse(code)
+    lines = code.splitlines(keepends=True)
+    doomed = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant) \
+                    and isinstance(first.value.value, str) and len(node.body) > 1:
+                doomed.update(range(first.lineno - 1, first.end_lineno))
+    return "".join(l for i, l in enumerate(lines) if i not in doomed)
+
+
+def add_return_hints(code: str) -> str:
+    """``-> None`` on functions that never return a value (a small, checkable edit)."""
+    tree = ast.parse(code)
+    lines = code.splitlines(keepends=True)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.returns is None:
+            returns_value = any(isinstance(n, ast.Return) and n.value is not None for n in ast.walk(node))
+            yields = any(isinstance(n, (ast.Yield, ast.YieldFrom)) for n in ast.walk(node))
+            header = lines[node.lineno - 1]
+            if not returns_value and not yields and header.rstrip().endswith("):"):
+                lines[node.lineno - 1] = header.rstrip()[:-2] + ") -> None:\n"
+    return "".join(lines)
+
+
+def chat(user: str, answer: str, think: bool) -> str:
+    prefix = "<think>\n\n</think>\n\n" if think else ""
+    return f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n{prefix}{answer}<|im_end|>\n"
+
+
+def edit_example(snippet: str, rng: random.Random):
+    """A file and a request to change it a little; the answer copies it with the change."""
+    tree = ast.parse(snippet)
+    functions = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
+    params = sorted({a.arg for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) for a in n.args.args
+                     if len(a.arg) >= 3 and a.arg not in ("self", "cls")})
+    kind = rng.random()
+    if kind < 0.45 and functions:
+        old = rng.choice(functions)
+        new = new_name(old, rng)
+        request, edited = f"Rename the function `{old}` to `{new}` everywhere in this file. {EDIT_REPLY}", rename(snippet, old, new)
+    elif kind < 0.7 and params:
+        old = rng.choice(params)
+        new = new_name(old, rng)
+        request, edited = f"Rename the variable `{old}` to `{new}` everywhere in this file. {EDIT_REPLY}", rename(snippet, old, new)
+    elif kind < 0.85:
+        request = "Add type hints to every function of this file without changing anything else. Reply with the whole updated file."
+        edited = add_return_hints(snippet)
+    else:
+        request, edited = f"Remove the docstrings from this file. {EDIT_REPLY}", drop_docstrings(snippet)
+    return f"{request}\n\n```python\n{snippet}```", f"```python\n{edited}```"
+
+
+def write_example(code: str) -> tuple:
+    tree = ast.parse(code)
+    node = tree.body[0]
+    doc = (ast.get_docstring(node) or "").strip().split("\n")[0]
+    kind = "class" if isinstance(node, ast.ClassDef) else "function"
+    request = f"Write a Python {kind} `{node.name}`" + (f": {doc[0].lower()}{doc[1:]}" if doc else ".")
+    return request, f"```python\n{code}\n```"
+
+
+def build_corpus(out: Path, seed: int, max_files: int) -> dict:
+    rng = random.Random(seed)
+    texts, stats = [], {"files": 0, "edit": 0, "write": 0, "raw": 0}
+    for path in list(stdlib_files())[:max_files]:
+        try:
+            source = path.read_text()
+        except (UnicodeDecodeError, OSError):
+            continue
+        stats["files"] += 1
+        defs = definitions(source)
+        for code in defs:
+            if 80 <= len(code) <= 1200:
+                texts.append(chat(*write_example(code), think=rng.random() < 0.2))
+                stats["write"] += 1
+        # Edits: runs of consecutive top-level definitions, about the size of a small file.
+        i = 0
+        while i < len(defs):
+            snippet = ""
+            while i < len(defs) and len(snippet) < rng.randint(250, 900):
+                snippet += defs[i] + "\n\n\n"
+                i += 1
+            snippet = snippet.rstrip("\n") + "\n"
+            if 200 <= len(snippet) <= 1300:
+                try:
+                    for _ in range(2):
+                        texts.append(chat(*edit_example(snippet, rng), think=rng.random() < 0.2))
+                        stats["edit"] += 1
+                except SyntaxError:
+                    pass
+        if source.isascii():
+            for start in range(0, len(source), 2000):
+                texts.append(source[start : start + 2000])
+                stats["raw"] += 1
+    rng.shuffle(texts)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w") as f:
+        for text in texts:
+            f.write(json.dumps({"text": text}) + "\n")
+    stats["chars"] = sum(len(t) for t in texts)
+    return stats
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+def train_tokenizer(corpus: Path, target_dir: Path) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from dflash_mlx.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE - 1, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator((json.loads(l)["text"] for l in corpus.open()), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   chat_template=CHAT_TEMPLATE)
+    target_dir.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(target_dir))
+    return fast.convert_tokens_to_ids("<|im_end|>")
+
+
+# ----------------------------------------------------------------------------- target
+
+def is_edit(text: str) -> bool:
+    return text.startswith("<|im_start|>user\n") and "updated file" in text.split("<|im_end|>")[0]
+
+
+def train_target(corpus: Path, target_dir: Path, eos: int, steps: int, batch: int, seq_len: int, lr: float, seed: int) -> list:
+    """Rows of ``seq_len`` tokens, each starting at a document boundary, loss on every token."""
+    import numpy as np
+    import torch
+    from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    texts = [json.loads(l)["text"] for l in corpus.open()]
+    docs = [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.pad_token_id] for t in texts]
+    stream = np.concatenate([np.array(d, dtype=np.int64) for d in docs])
+    starts = np.cumsum([0] + [len(d) for d in docs[:-1]])  # rows start at a document boundary
+    starts = starts[starts < len(stream) - seq_len - 1]
+    print(f"target: {len(stream):,} tokens in {len(docs):,} documents", flush=True)
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(eos_token_id=eos, **TARGET_CONFIG)).float().train()
+    params = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
+    warmup = max(steps // 20, 1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min((s + 1) / warmup, 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0)))))
+    rng = np.random.default_rng(seed)
+    losses, t0 = [], time.time()
+    for step in range(steps):
+        rows = [stream[s : s + seq_len + 1] for s in rng.choice(starts, batch)]
+        x = torch.from_numpy(np.stack(rows))
+        loss = model(input_ids=x[:, :-1], labels=x[:, :-1]).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        losses.append(loss.item())
+        if step % 20 == 0 or step == steps - 1:
+            mean = sum(losses[-20:]) / len(losses[-20:])
+            print(f"target step {step + 1}/{steps} loss {mean:.3f} ({time.time() - t0:.0f} s)", flush=True)
+    model.eval()
+    model.save_pretrained(str(target_dir))
+    return losses, params, len(stream)
+
+
+def train_copy_stage(corpus: Path, target_dir: Path, steps: int, batch: int, seq_len: int, lr: float, seed: int) -> list:
+    """Continue the target on edit examples alone, one per row, with the loss on the answer only."""
+    import numpy as np
+    import torch
+    from transformers import AutoTokenizer, Qwen3_5ForCausalLM
+
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    split = "<|im_start|>assistant\n"
+    examples = []
+    for line in corpus.open():
+        text = json.loads(line)["text"]
+        if is_edit(text):
+            head, answer = text.split(split, 1)
+            prompt = tokenizer.encode(head + split, add_special_tokens=False)
+            reply = tokenizer.encode(answer, add_special_tokens=False)
+            if len(prompt) + len(reply) <= seq_len:
+                examples.append((prompt, reply))
+    print(f"copy stage: {len(examples):,} edit examples", flush=True)
+    model = Qwen3_5ForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
+    warmup = max(steps // 20, 1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min((s + 1) / warmup, 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0)))))
+    rng = np.random.default_rng(seed)
+    losses, t0 = [], time.time()
+    for step in range(steps):
+        chosen = [examples[i] for i in rng.choice(len(examples), batch)]
+        width = max(len(p) + len(r) for p, r in chosen)
+        ids = torch.full((batch, width), tokenizer.pad_token_id)
+        labels = torch.full((batch, width), -100)
+        for row, (p, r) in enumerate(chosen):
+            ids[row, : len(p) + len(r)] = torch.tensor(p + r)
+            labels[row, len(p) : len(p) + len(r)] = torch.tensor(r)
+        loss = model(input_ids=ids, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        losses.append(loss.item())
+        if step % 20 == 0 or step == steps - 1:
+            mean = sum(losses[-20:]) / len(losses[-20:])
+            print(f"copy step {step + 1}/{steps} answer loss {mean:.3f} ({time.time() - t0:.0f} s)", flush=True)
+    model.eval()
+    model.save_pretrained(str(target_dir))
+    return losses
+
+
+# ----------------------------------------------------------------------------- draft
+
+def train_draft(target_dir: Path, corpus: Path, draft_dir: Path, args) -> list:
+    if draft_dir.exists():
+        shutil.rmtree(draft_dir)
+    cmd = [sys.executable, "-m", "dflash_mlx.cli", "train-draft", "--model", str(target_dir), "--data", str(corpus),
+           "--out", str(draft_dir), "--layers", "1", "--taps", DRAFT_TAPS, "--block-size", str(args.block_size),
+           "--steps", str(args.draft_steps), "--seq-len", str(args.draft_seq_len), "--anchors", str(args.draft_anchors),
+           "--learning-rate", str(args.draft_lr), "--seed", str(args.seed)]
+    env = dict(os.environ)
+    if args.blas:
+        # MLX's Linux CPU wheel bundles the reference BLAS (about 1 GFLOP/s here); preloading an optimised
+        # one only makes training faster: same sgemm interface, same results up to rounding.
+        env.update(LD_PRELOAD=args.blas, OPENBLAS_NUM_THREADS="1")
+    print("draft:", " ".join(cmd), f"(LD_PRELOAD={args.blas})" if args.blas else "", flush=True)
+    subprocess.run(cmd, check=True, env=env)
+    state = json.loads((draft_dir / "training_state" / "state.json").read_text())
+    return state["losses"]
+
+
+def curve(losses, points=8):
+    n = len(losses)
+    marks = sorted({max(1, round(n * i / points)) for i in range(1, points + 1)})
+    return ", ".join(f"{m}: {sum(losses[max(0, m - 20):m]) / len(losses[max(0, m - 20):m]):.2f}" for m in marks)
+
+
+def model_card(info: dict) -> str:
+    c, t, d, k = info["corpus"], info["target"], info["draft"], info["copy_stage"]
+    layers = TARGET_CONFIG["layer_types"]
+    return f"""# dflash-mlx demo pair
+
+A tiny Qwen3.5-architecture target and a DFlash draft trained for it, shipped inside the package so
+that `dflash-mlx generate --model demo`, `chat --model demo` and `bench --model demo` run offline.
+It writes Python-looking code and copies files with small edits; it is a speed demo, not an assistant.
+Rebuild it with `python examples/make_demo.py --work BUILD --install` (numbers below are from that run).
+
+## Data
+The Python {sys.version.split()[0]} standard library of the build machine ({c["files"]} files, tests and
+IDLE excluded, {c["chars"]:,} characters of training text): {c["write"]:,} "write this function/class"
+chat examples (answer: its source), {c["edit"]:,} file-edit chat examples (rename a function or a variable,
+add `-> None` hints, drop docstrings; the answer copies the file with the edit) and {c["raw"]:,} raw
+source chunks. Tokenizer: byte-level BPE, {VOCAB_SIZE - 1} tokens trained on the same text, Qwen special tokens
+and chat template; embedding row {VOCAB_SIZE - 1} is the draft's mask token.
+
+## Target
+`Qwen3_5ForCausalLM`: hidden {TARGET_CONFIG["hidden_size"]}, {len(layers)} layers
+({layers.count("linear_attention")} Gated DeltaNet, {layers.count("full_attention")} full attention), MLP {TARGET_CONFIG["intermediate_size"]},
+tied embeddings, {t["params"]:,} parameters, float32. Trained with transformers on torch (CPU):
+{t["steps"]} steps x {t["batch"]} rows x {t["seq_len"]} tokens (from {t["corpus_tokens"]:,} corpus tokens),
+AdamW lr {t["lr"]} with warmup and cosine decay, {t["minutes"]:.0f} min including corpus and tokenizer.
+Training loss (mean of 20 steps, at step): {t["losses"]}; final {t["final_loss"]:.2f}.
+That model wrote code-like text but did not copy a file it was given, so a second stage trained it on
+the edit examples alone, one per row, with the loss on the answers only: {k["rounds"]} rounds of
+{k["steps"]} steps (warmup, cosine decay, peak lr {k["lr"]}), {k["minutes"]:.0f} min. Answer loss
+(per round, at step): {k["losses"]}; final {k["final_loss"]:.2f}.
+The price: after that stage it copies well but no longer writes fresh code (asked for a function it
+soon repeats itself). A third stage on the whole mix (200 steps, lr 1e-3) brought fresh code back only
+by breaking the copying, so the shipped target is the one after stage 2.
+
+## Draft
+DFlash draft, 1 decoder layer, block size {d["block_size"]}, reading target layers {DRAFT_TAPS},
+trained with `dflash-mlx train-draft` (target frozen, labels = the target's greedy
+choices): {d["steps"]} steps, windows of {d["seq_len"]} tokens with {d["anchors"]} anchored blocks each,
+peak lr {d["lr"]}, {d["minutes"]:.0f} min (BLAS: {d["blas"]}). Loss (weighted block CE, mean of 20 steps, at step): {d["losses"]};
+final {d["final_loss"]:.2f}.
+"""
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--work", type=Path, required=True, help="Build folder (corpus, target/, draft/, README.md).")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-files", type=int, default=10_000, help="Standard-library files to read at most.")
+    parser.add_argument("--target-steps", type=int, default=900)
+    parser.add_argument("--batch", type=int, default=12)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--draft-steps", type=int, default=1500)
+    parser.add_argument("--draft-seq-len", type=int, default=768)
+    parser.add_argument("--draft-anchors", type=int, default=48)
+    parser.add_argument("--draft-lr", type=float, default=2e-3)
+    parser.add_argument("--blas", default=SYSTEM_OPENBLAS if Path(SYSTEM_OPENBLAS).exists() else "",
+                        help="Optimised BLAS to preload for train-draft on Linux ('' for none); default: Debian's OpenBLAS if installed.")
+    parser.add_argument("--copy-steps", type=int, default=400, help="Second target stage: edit examples, loss on the answers.")
+    parser.add_argument("--copy-lr", type=float, default=3e-3)
+    parser.add_argument("--copy-rounds", type=int, default=2, help="Rounds of the second stage (each --copy-steps long).")
+    parser.add_argument("--skip-target", action="store_true", help="Reuse work/target: skip the first target stage.")
+    parser.add_argument("--skip-copy", action="store_true", help="Skip the second (copy-focused) target stage.")
+    parser.add_argument("--skip-draft", action="store_true", help="Stop after the target.")
+    parser.add_argument("--install", action="store_true", help="Copy the result into dflash_mlx/demo/.")
+    args = parser.parse_args()
+    work = args.work
+    corpus, target_dir, draft_dir = work / "corpus.jsonl", work / "target", work / "draft"
+    info_file = work / "build.json"
+    info = json.loads(info_file.read_text()) if info_file.exists() else {}
+    if not args.skip_target:
+        started = time.time()
+        info["corpus"] = build_corpus(corpus, args.seed, args.max_files)
+        print("corpus:", info["corpus"], flush=True)
+        eos = train_tokenizer(corpus, target_dir)
+        losses, params, tokens = train_target(corpus, target_dir, eos, args.target_steps, args.batch, args.seq_len, args.lr, args.seed)
+        info["target"] = dict(steps=args.target_steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, params=params,
+                              corpus_tokens=tokens, losses=curve(losses), final_loss=sum(losses[-50:]) / len(losses[-50:]),
+                              minutes=(time.time() - started) / 60)
+        info_file.write_text(json.dumps(info, indent=2))
+    if not args.skip_copy:
+        # Stage 2: edit examples only, loss on the answers. Stage 1 alone leaves a model that writes
+        # code-like text but does not copy the file it is given (no induction yet).
+        started, curves = time.time(), []
+        for round_ in range(args.copy_rounds):  # each round: warmup, then cosine decay
+            losses = train_copy_stage(corpus, target_dir, args.copy_steps, args.batch, args.seq_len, args.copy_lr,
+                                      args.seed + 1 + round_)
+            curves.append(curve(losses))
+        info["copy_stage"] = dict(rounds=args.copy_rounds, steps=args.copy_steps, lr=args.copy_lr, losses=" | ".join(curves),
+                                  final_loss=sum(losses[-50:]) / len(losses[-50:]), minutes=(time.time() - started) / 60)
+        info_file.write_text(json.dumps(info, indent=2))
+    if args.skip_draft:
+        return
+    started = time.time()
+    losses = train_draft(target_dir, corpus, draft_dir, args)
+    info["draft"] = dict(blas=args.blas or "bundled reference BLAS", steps=args.draft_steps, block_size=args.block_size, seq_len=args.draft_seq_len,
+                         anchors=args.draft_anchors, lr=args.draft_lr, losses=curve(losses),
+                         final_loss=sum(losses[-50:]) / len(losses[-50:]), minutes=(time.time() - started) / 60)
+    info_file.write_text(json.dumps(info, indent=2))
+    shutil.rmtree(draft_dir / "training_state", ignore_errors=True)
+    (work / "README.md").write_text(model_card(info))
+    if args.install:
+        from dflash_mlx.defaults import DEMO_DIR
+
+        shutil.rmtree(DEMO_DIR, ignore_errors=True)
+        DEMO_DIR.mkdir(parents=True)
+        for name in ("target", "draft"):
+            shutil.copytree(work / name, DEMO_DIR / name)
+        shutil.copy(work / "README.md", DEMO_DIR / "README.md")
+        shutil.copy(info_file, DEMO_DIR / "build.json")
+        print(f"installed into {DEMO_DIR}")
+
+
+if __name__ == "__main__":
+    main()
