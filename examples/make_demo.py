@@ -37,27 +37,17 @@ import textwrap
 import time
 from pathlib import Path
 
+from dflash_mlx.tiny import target_config
+
 VOCAB_SIZE = 512  # embedding rows; the tokenizer uses 511 of them
-TARGET_CONFIG = dict(
-    vocab_size=VOCAB_SIZE,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=6,
-    layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=32,
-    linear_value_head_dim=16,
-    linear_conv_kernel_dim=4,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-    hidden_act="silu",
-    max_position_embeddings=4096,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-)
+# tiny.target_config's attention and Gated DeltaNet shapes, deeper, with tied embeddings; minus the
+# keys that are not Qwen3_5TextConfig arguments.
+TARGET_CONFIG = {
+    k: v for k, v in target_config(
+        VOCAB_SIZE, num_hidden_layers=6, layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
+        tie_word_embeddings=True,
+    ).items() if k not in ("architectures", "model_type", "dtype", "eos_token_id")
+}
 DRAFT_TAPS = "1,3,5"  # the draft reads an early, a middle and the last layer
 SYSTEM_OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"  # Debian's libopenblas0
 SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "site-packages", "ensurepip", "pydoc_data", "encodings", "__pycache__", "config-3.11-x86_64-linux-gnu"}
@@ -245,22 +235,11 @@ def is_edit(text: str) -> bool:
     return text.startswith("<|im_start|>user\n") and "updated file" in text.split("<|im_end|>")[0]
 
 
-def train_target(corpus: Path, target_dir: Path, eos: int, steps: int, batch: int, seq_len: int, lr: float, seed: int) -> list:
-    """Rows of ``seq_len`` tokens, each starting at a document boundary, loss on every token."""
+def fit(model, next_batch, steps: int, lr: float, seed: int, label: str, target_dir: Path) -> list:
+    """AdamW with warmup and cosine decay to 0.1x over ``steps``; saves the model to ``target_dir``."""
     import numpy as np
     import torch
-    from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    torch.manual_seed(seed)
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    texts = [json.loads(l)["text"] for l in corpus.open()]
-    docs = [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.pad_token_id] for t in texts]
-    stream = np.concatenate([np.array(d, dtype=np.int64) for d in docs])
-    starts = np.cumsum([0] + [len(d) for d in docs[:-1]])  # rows start at a document boundary
-    starts = starts[starts < len(stream) - seq_len - 1]
-    print(f"target: {len(stream):,} tokens in {len(docs):,} documents", flush=True)
-    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(eos_token_id=eos, **TARGET_CONFIG)).float().train()
-    params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
     warmup = max(steps // 20, 1)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -268,9 +247,8 @@ def train_target(corpus: Path, target_dir: Path, eos: int, steps: int, batch: in
     rng = np.random.default_rng(seed)
     losses, t0 = [], time.time()
     for step in range(steps):
-        rows = [stream[s : s + seq_len + 1] for s in rng.choice(starts, batch)]
-        x = torch.from_numpy(np.stack(rows))
-        loss = model(input_ids=x[:, :-1], labels=x[:, :-1]).loss
+        ids, labels = next_batch(rng)
+        loss = model(input_ids=ids, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -279,15 +257,37 @@ def train_target(corpus: Path, target_dir: Path, eos: int, steps: int, batch: in
         losses.append(loss.item())
         if step % 20 == 0 or step == steps - 1:
             mean = sum(losses[-20:]) / len(losses[-20:])
-            print(f"target step {step + 1}/{steps} loss {mean:.3f} ({time.time() - t0:.0f} s)", flush=True)
+            print(f"{label} step {step + 1}/{steps} loss {mean:.3f} ({time.time() - t0:.0f} s)", flush=True)
     model.eval()
     model.save_pretrained(str(target_dir))
-    return losses, params, len(stream)
+    return losses
+
+
+def train_target(corpus: Path, target_dir: Path, eos: int, steps: int, batch: int, seq_len: int, lr: float, seed: int) -> list:
+    """Rows of ``seq_len`` tokens, each starting at a document boundary, loss on every token."""
+    import numpy as np
+    import torch
+    from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    docs = [tokenizer.encode(json.loads(l)["text"], add_special_tokens=False) + [tokenizer.pad_token_id] for l in corpus.open()]
+    stream = np.concatenate([np.array(d, dtype=np.int64) for d in docs])
+    starts = np.cumsum([0] + [len(d) for d in docs[:-1]])  # rows start at a document boundary
+    starts = starts[starts < len(stream) - seq_len]
+    print(f"target: {len(stream):,} tokens in {len(docs):,} documents", flush=True)
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(eos_token_id=eos, **TARGET_CONFIG)).float().train()
+
+    def next_batch(rng):
+        x = torch.from_numpy(np.stack([stream[s : s + seq_len] for s in rng.choice(starts, batch)]))
+        return x, x  # transformers shifts the labels itself
+
+    losses = fit(model, next_batch, steps, lr, seed, "target", target_dir)
+    return losses, sum(p.numel() for p in model.parameters()), len(stream)
 
 
 def train_copy_stage(corpus: Path, target_dir: Path, steps: int, batch: int, seq_len: int, lr: float, seed: int) -> list:
     """Continue the target on edit examples alone, one per row, with the loss on the answer only."""
-    import numpy as np
     import torch
     from transformers import AutoTokenizer, Qwen3_5ForCausalLM
 
@@ -305,13 +305,8 @@ def train_copy_stage(corpus: Path, target_dir: Path, steps: int, batch: int, seq
                 examples.append((prompt, reply))
     print(f"copy stage: {len(examples):,} edit examples", flush=True)
     model = Qwen3_5ForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
-    warmup = max(steps // 20, 1)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min((s + 1) / warmup, 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0)))))
-    rng = np.random.default_rng(seed)
-    losses, t0 = [], time.time()
-    for step in range(steps):
+
+    def next_batch(rng):
         chosen = [examples[i] for i in rng.choice(len(examples), batch)]
         width = max(len(p) + len(r) for p, r in chosen)
         ids = torch.full((batch, width), tokenizer.pad_token_id)
@@ -319,19 +314,9 @@ def train_copy_stage(corpus: Path, target_dir: Path, steps: int, batch: int, seq
         for row, (p, r) in enumerate(chosen):
             ids[row, : len(p) + len(r)] = torch.tensor(p + r)
             labels[row, len(p) : len(p) + len(r)] = torch.tensor(r)
-        loss = model(input_ids=ids, labels=labels).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        losses.append(loss.item())
-        if step % 20 == 0 or step == steps - 1:
-            mean = sum(losses[-20:]) / len(losses[-20:])
-            print(f"copy step {step + 1}/{steps} answer loss {mean:.3f} ({time.time() - t0:.0f} s)", flush=True)
-    model.eval()
-    model.save_pretrained(str(target_dir))
-    return losses
+        return ids, labels
+
+    return fit(model, next_batch, steps, lr, seed, "copy", target_dir)
 
 
 # ----------------------------------------------------------------------------- draft
