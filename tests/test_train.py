@@ -33,6 +33,8 @@ def setup(tmp_path_factory):
 
 
 CONFIG = dict(seq_len=64, anchors=8, block_size=4, learning_rate=3e-3, warmup=5, save_every=20)
+RULE_CONFIG = dict(seq_len=48, anchors=16, block_size=4, learning_rate=3e-3, warmup=10, save_every=1000)
+STEPS_FOR_RULE = 200
 
 
 @pytest.mark.parametrize("labels", ["target", "corpus"])
@@ -99,3 +101,31 @@ def test_cli_trains_and_rejects_bad_input(setup, tmp_path):
     ):
         bad = subprocess.run(base + args, capture_output=True, text=True, cwd=ROOT, timeout=300)
         assert bad.returncode == 1 and message in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_draft_learns_a_rule_the_unigram_cannot_guess(setup, tmp_path):
+    """A corpus where every character fixes the next one (one cycle of distinct characters).
+
+    Unigram statistics give ~1/len(cycle) of the slots right; the rule is only in the block's
+    anchor and the context, so a draft that reads neither (a broken mask, RoPE or feature path,
+    or a training plateau at the unigram) fails here, which a falling loss alone does not show.
+    """
+    _, _, _, model, tokenizer = setup
+    cycle = "QZ7X@K3V!J9W#M5Y$R2U%P8G&H4N*"
+    corpus = tmp_path / "cycle.txt"
+    corpus.write_text(cycle * 400)
+    out = tmp_path / "draft"
+    train_draft(model.target, tokenizer, [corpus], out, TrainConfig(steps=STEPS_FOR_RULE, labels="corpus", **RULE_CONFIG), num_layers=1)
+    draft, _ = load_draft(out)
+    draft.bind(model.target)
+    B, correct = draft.block_size, []
+    for phase in range(0, len(cycle), 4):  # windows as long as the training ones, every phase of the cycle
+        ids = tokenizer.encode((cycle[phase:] + cycle * 2)[: RULE_CONFIG["seq_len"]], add_special_tokens=False)
+        tokens = mx.array(np.array(ids, dtype=np.int32))
+        features = model.target.forward(tokens[None], taps=draft.target_layer_ids)[1]
+        anchors = np.arange(1, len(ids) - B + 1).astype(np.int32)
+        predicted = np.array(mx.argmax(block_logits(draft, features, tokens, mx.array(anchors)), axis=-1))
+        correct.append(predicted == np.array(ids)[anchors[:, None] + np.arange(1, B)[None, :]])
+    accuracy = np.concatenate(correct).mean()
+    unigram = 1 / len(cycle)  # every character is equally frequent
+    assert accuracy > 0.9, f"slot accuracy {accuracy:.2f}; the unigram gets {unigram:.2f}"
