@@ -50,3 +50,23 @@ def test_readme_quick_start_runs_as_written(tmp_path):
     )
     assert json.loads(alone.stdout)["tokens"] == spec["tokens"] and 0 < len(spec["tokens"]) <= 64
     assert spec["cycles"] == len(spec["tokens"]) - 1  # a random draft: one token per cycle
+
+
+def test_chat_with_the_demo_runs_offline():
+    """`dflash-mlx chat --model demo` on a fresh machine: no network, a reply, a clean exit."""
+    import pexpect
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
+    child = pexpect.spawn(
+        sys.executable, ["-m", "dflash_mlx.cli", "chat", "--model", "demo", "--max-tokens", "24"],
+        cwd=str(ROOT), env=env, encoding="utf-8", timeout=120, dimensions=(40, 200),
+    )
+    child.expect(">>> ")
+    child.sendline("Write a Python function `parse_header`.")
+    child.expect(r"(\d+) tokens, [\d.]+ tok/s, [\d.]+ tokens/cycle")
+    assert 0 < int(child.match.group(1)) <= 24
+    child.expect(">>> ")
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
