@@ -235,12 +235,18 @@ def is_edit(text: str) -> bool:
     return text.startswith("<|im_start|>user\n") and "updated file" in text.split("<|im_end|>")[0]
 
 
-def fit(model, next_batch, steps: int, lr: float, seed: int, label: str, target_dir: Path) -> list:
-    """AdamW with warmup and cosine decay to 0.1x over ``steps``; saves the model to ``target_dir``."""
+def fit(model, next_batch, steps: int, lr: float, seed: int, label: str, target_dir: Path, loss_fn=None, extra=None) -> list:
+    """AdamW with warmup and cosine decay to 0.1x over ``steps``; saves the model to ``target_dir``.
+
+    ``loss_fn(ids, labels)`` replaces the model's own next-token loss; ``extra`` (a module) is
+    trained alongside and not saved.
+    """
     import numpy as np
     import torch
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
+    params = list(model.parameters()) + (list(extra.parameters()) if extra is not None else [])
+    loss_fn = loss_fn or (lambda ids, labels: model(input_ids=ids, labels=labels).loss)
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
     warmup = max(steps // 20, 1)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min((s + 1) / warmup, 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0)))))
@@ -248,10 +254,10 @@ def fit(model, next_batch, steps: int, lr: float, seed: int, label: str, target_
     losses, t0 = [], time.time()
     for step in range(steps):
         ids, labels = next_batch(rng)
-        loss = model(input_ids=ids, labels=labels).loss
+        loss = loss_fn(ids, labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         schedule.step()
         losses.append(loss.item())
@@ -286,13 +292,8 @@ def train_target(corpus: Path, target_dir: Path, eos: int, steps: int, batch: in
     return losses, sum(p.numel() for p in model.parameters()), len(stream)
 
 
-def train_copy_stage(corpus: Path, target_dir: Path, steps: int, batch: int, seq_len: int, lr: float, seed: int) -> list:
-    """Continue the target on edit examples alone, one per row, with the loss on the answer only."""
-    import torch
-    from transformers import AutoTokenizer, Qwen3_5ForCausalLM
-
-    torch.manual_seed(seed)
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+def edit_examples(corpus: Path, tokenizer, seq_len: int) -> list:
+    """(prompt ids, answer ids) of every edit example that fits in ``seq_len``."""
     split = "<|im_start|>assistant\n"
     examples = []
     for line in corpus.open():
@@ -303,20 +304,81 @@ def train_copy_stage(corpus: Path, target_dir: Path, steps: int, batch: int, seq
             reply = tokenizer.encode(answer, add_special_tokens=False)
             if len(prompt) + len(reply) <= seq_len:
                 examples.append((prompt, reply))
-    print(f"copy stage: {len(examples):,} edit examples", flush=True)
-    model = Qwen3_5ForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).train()
+    return examples
+
+
+def answer_batches(examples: list, batch: int, pad_id: int):
+    """One example per row, padded; labels only on the answers (-100 elsewhere)."""
+    import torch
 
     def next_batch(rng):
         chosen = [examples[i] for i in rng.choice(len(examples), batch)]
         width = max(len(p) + len(r) for p, r in chosen)
-        ids = torch.full((batch, width), tokenizer.pad_token_id)
+        ids = torch.full((batch, width), pad_id)
         labels = torch.full((batch, width), -100)
         for row, (p, r) in enumerate(chosen):
             ids[row, : len(p) + len(r)] = torch.tensor(p + r)
             labels[row, len(p) : len(p) + len(r)] = torch.tensor(r)
         return ids, labels
 
-    return fit(model, next_batch, steps, lr, seed, "copy", target_dir)
+    return next_batch
+
+
+def train_copy_stage(corpus: Path, target_dir: Path, steps: int, batch: int, seq_len: int, lr: float, seed: int) -> list:
+    """Continue the target on edit examples alone, one per row, with the loss on the answer only."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3_5ForCausalLM
+
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    examples = edit_examples(corpus, tokenizer, seq_len)
+    print(f"copy stage: {len(examples):,} edit examples", flush=True)
+    model = Qwen3_5ForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).train()
+    return fit(model, answer_batches(examples, batch, tokenizer.pad_token_id), steps, lr, seed, "copy", target_dir)
+
+
+def train_lookahead_stage(corpus: Path, target_dir: Path, steps: int, batch: int, seq_len: int, lr: float, seed: int,
+                          horizon: int) -> list:
+    """Continue the target on edit answers with extra heads predicting tokens 2..``horizon`` ahead.
+
+    The draft reads the target's hidden states. Trained on the next token alone, this target keeps
+    little about the tokens after it, so the draft has nothing to read them from; Qwen3.5 itself is
+    trained with multi-token prediction. The heads (residual MLPs into the tied output) are dropped
+    when the target is saved: its architecture and loading path do not change.
+    Returns [next-token loss, +2 loss, ...] per step.
+    """
+    import torch
+    from torch.nn import functional as F
+    from transformers import AutoTokenizer, Qwen3_5ForCausalLM
+
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    examples = edit_examples(corpus, tokenizer, seq_len)
+    print(f"lookahead stage: {len(examples):,} edit examples, horizon {horizon}", flush=True)
+    model = Qwen3_5ForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).train()
+    width = model.config.hidden_size
+    heads = torch.nn.ModuleList(
+        torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width))
+        for _ in range(horizon - 1)
+    )
+    for head in heads:  # start as the next-token head
+        torch.nn.init.zeros_(head[2].weight)
+        torch.nn.init.zeros_(head[2].bias)
+    per_offset = []
+
+    def loss_fn(ids, labels):
+        hidden = model.model(input_ids=ids).last_hidden_state  # after the final norm
+        losses = []
+        for k in range(1, horizon + 1):  # the hidden state at p predicts the token at p + k
+            h = hidden[:, :-k]
+            logits = model.lm_head(h if k == 1 else h + heads[k - 2](h))
+            losses.append(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, k:].reshape(-1), ignore_index=-100))
+        per_offset.append([x.item() for x in losses])
+        return losses[0] + sum(losses[1:]) / max(len(losses) - 1, 1)
+
+    fit(model, answer_batches(examples, batch, tokenizer.pad_token_id), steps, lr, seed, "lookahead", target_dir,
+        loss_fn=loss_fn, extra=heads)
+    return per_offset
 
 
 # ----------------------------------------------------------------------------- draft
@@ -343,6 +405,16 @@ def curve(losses, points=8):
     n = len(losses)
     marks = sorted({max(1, round(n * i / points)) for i in range(1, points + 1)})
     return ", ".join(f"{m}: {sum(losses[max(0, m - 20):m]) / len(losses[max(0, m - 20):m]):.2f}" for m in marks)
+
+
+def lookahead_paragraph(info: dict) -> str:
+    if "lookahead_stage" not in info:
+        return ""
+    la = info["lookahead_stage"]
+    losses = ", ".join(f"+{k + 1}: {v:.2f}" for k, v in enumerate(la["final_losses"]))
+    return (f"A lookahead stage then trained extra heads (dropped at save) to predict up to {la['horizon']} tokens ahead\n"
+            f"from each hidden state, on the edit answers: {la['steps']} steps, peak lr {la['lr']}, {la['minutes']:.0f} min;\n"
+            f"final answer losses per offset: {losses}.\n\n")
 
 
 def model_card(info: dict) -> str:
@@ -378,7 +450,7 @@ The price: after that stage it copies well but no longer writes fresh code (aske
 soon repeats itself). A third stage on the whole mix (200 steps, lr 1e-3) brought fresh code back only
 by breaking the copying, so the shipped target is the one after stage 2.
 
-## Draft
+{lookahead_paragraph(info)}## Draft
 DFlash draft, 1 decoder layer, block size {d["block_size"]}, reading target layers {DRAFT_TAPS},
 trained with `dflash-mlx train-draft` (target frozen, labels = the target's greedy
 choices): {d["steps"]} steps, windows of {d["seq_len"]} tokens with {d["anchors"]} anchored blocks each,
@@ -406,11 +478,17 @@ def main():
     parser.add_argument("--copy-steps", type=int, default=400, help="Second target stage: edit examples, loss on the answers.")
     parser.add_argument("--copy-lr", type=float, default=3e-3, help="Second target stage peak learning rate.")
     parser.add_argument("--copy-rounds", type=int, default=2, help="Rounds of the second stage (each --copy-steps long).")
+    parser.add_argument("--lookahead-steps", type=int, default=0,
+                        help="Experimental third target stage (off by default): steps of multi-token heads on edit answers.")
+    parser.add_argument("--lookahead-horizon", type=int, default=4, help="Tokens ahead the lookahead stage predicts (2..N).")
+    parser.add_argument("--lookahead-lr", type=float, default=1e-3, help="Lookahead stage peak learning rate.")
     parser.add_argument("--skip-target", action="store_true", help="Reuse work/target: skip the first target stage.")
     parser.add_argument("--skip-copy", action="store_true", help="Skip the second (copy-focused) target stage.")
     parser.add_argument("--skip-draft", action="store_true", help="Stop after the target.")
     parser.add_argument("--install", action="store_true", help="Copy the result into dflash_mlx/demo/.")
     args = parser.parse_args()
+    if args.lookahead_steps and args.lookahead_horizon < 2:
+        parser.error(f"--lookahead-horizon {args.lookahead_horizon}: must be at least 2 (the token after next)")
     work = args.work
     corpus, target_dir, draft_dir = work / "corpus.jsonl", work / "target", work / "draft"
     info_file = work / "build.json"
@@ -435,6 +513,15 @@ def main():
             curves.append(curve(losses))
         info["copy_stage"] = dict(rounds=args.copy_rounds, steps=args.copy_steps, lr=args.copy_lr, losses=" | ".join(curves),
                                   final_loss=sum(losses[-50:]) / len(losses[-50:]), minutes=(time.time() - started) / 60)
+        info_file.write_text(json.dumps(info, indent=2))
+    if args.lookahead_steps:
+        started = time.time()
+        per_offset = train_lookahead_stage(corpus, target_dir, args.lookahead_steps, args.batch, args.seq_len,
+                                           args.lookahead_lr, args.seed + 10, args.lookahead_horizon)
+        tail = per_offset[-50:]
+        info["lookahead_stage"] = dict(steps=args.lookahead_steps, horizon=args.lookahead_horizon, lr=args.lookahead_lr,
+                                       final_losses=[sum(col) / len(col) for col in zip(*tail)],
+                                       minutes=(time.time() - started) / 60)
         info_file.write_text(json.dumps(info, indent=2))
     if args.skip_draft:
         return

@@ -1,0 +1,75 @@
+"""examples/make_demo.py's target stages, on a tiny transformers checkpoint and a few edit chats."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dflash_mlx.api import load
+from tests.conftest import make_hf_target
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+import make_demo  # noqa: E402
+
+SNIPPET = '''def scale(values, factor):
+    """Multiply every value."""
+    return [v * factor for v in values]
+
+
+def total(values):
+    return sum(values)
+'''
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory):
+    root = tmp_path_factory.mktemp("make_demo")
+    target_dir = make_hf_target(root / "target", tie=True)
+    rng = random.Random(0)
+    lines = []
+    for _ in range(6):
+        user, answer = make_demo.edit_example(SNIPPET, rng)
+        lines.append(json.dumps({"text": make_demo.chat(user, answer, think=False)}))
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("\n".join(lines) + "\n")
+    return corpus, target_dir
+
+
+def test_edit_examples_are_found_and_labelled_on_the_answer_only(build):
+    corpus, target_dir = build
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    examples = make_demo.edit_examples(corpus, tokenizer, seq_len=4096)
+    assert len(examples) == 6
+    ids, labels = make_demo.answer_batches(examples, 3, tokenizer.pad_token_id)(np.random.default_rng(0))
+    assert ids.shape == labels.shape and ids.shape[0] == 3
+    for row in range(3):
+        answer = labels[row][labels[row] != -100].tolist()
+        assert answer and tokenizer.decode(answer).rstrip().endswith("<|im_end|>")
+
+
+def test_lookahead_stage_trains_every_offset_and_saves_a_plain_target(build, tmp_path):
+    corpus, target_dir = build
+    work = tmp_path / "target"
+    subprocess.run(["cp", "-r", str(target_dir), str(work)], check=True)
+    per_offset = make_demo.train_lookahead_stage(corpus, work, steps=3, batch=2, seq_len=4096, lr=1e-3, seed=0, horizon=3)
+    assert len(per_offset) == 3 and all(len(row) == 3 and all(math.isfinite(x) for x in row) for row in per_offset)
+    # Zero-initialised heads start as the next-token head: the far offsets begin worse than +1.
+    assert per_offset[0][2] > per_offset[0][0]
+    model, _ = load(str(work))  # the heads are not saved: the normal loading path takes it as it is
+    assert model.target.args.num_hidden_layers == 4
+
+
+def test_bad_horizon_is_refused():
+    done = subprocess.run([sys.executable, "examples/make_demo.py", "--work", "/tmp/unused", "--lookahead-steps", "5",
+                           "--lookahead-horizon", "1"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 2 and "--lookahead-horizon 1" in done.stderr
