@@ -67,6 +67,32 @@ def test_sliding_layers_window_the_context_and_stay_lossless(tmp_path, target, t
     assert_lossless(target, PROMPT, expected, got)
 
 
+def test_a_block_only_layer_reads_no_context_and_training_agrees_with_decoding(tmp_path, target, target_config):
+    """``sliding_window: 1`` leaves a layer only its block (causal): a layer that gathers from
+    the anchor slot what an earlier layer read from the context."""
+    from dflash_mlx.train import block_logits
+
+    draft = make_draft(
+        tmp_path / "block-only", target, target_config, seed=5,
+        layer_types=["full_attention", "sliding_attention"], sliding_window=1,
+    )
+    cache = draft.make_cache()
+    assert cache[1].window == 0
+    features = context_features(target, draft)
+    draft.add_context(features, cache)
+    tokens = PROMPT
+    anchors = mx.array([4, 9], dtype=mx.int32)
+    trained = np.array(block_logits(draft, features, tokens, anchors))
+    for row, a in enumerate(np.array(anchors).tolist()):
+        decoding = draft.make_cache()
+        draft.add_context(features[:, :a], decoding)
+        block = mx.concatenate([tokens[a : a + 1], mx.full((draft.block_size - 1,), draft.mask_token_id, dtype=tokens.dtype)])
+        np.testing.assert_allclose(trained[row], np.array(draft(block[None], decoding))[0], atol=2e-4)
+    expected, _ = take(target_only(target, PROMPT, Sampler()), 20)
+    got, _ = take(speculative(target, draft, PROMPT, Sampler(), block_tokens=8), 20)
+    assert_lossless(target, PROMPT, expected, got)
+
+
 def test_context_window_keeps_only_recent_tokens(target, draft):
     features = context_features(target, draft)
     block = mx.array([[7] + [draft.mask_token_id] * 3])

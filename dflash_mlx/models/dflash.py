@@ -307,7 +307,7 @@ class DFlashDraft(nn.Module):
         caches = []
         for layer in self.layers:
             sliding = layer.self_attn.sliding_window
-            keep = window if sliding is None else min(x for x in (window, sliding - 1) if x)
+            keep = window if sliding is None else min(x for x in (window, sliding - 1) if x is not None)
             caches.append(ContextCache(keep))
         return caches
 
