@@ -310,6 +310,11 @@ def train_draft_command(
     seed: Annotated[int, typer.Option("--seed", help="Random seed (windows, anchors, init).")] = 0,
     save_every: Annotated[int, typer.Option("--save-every", help="Write the draft and the resume state every N steps.")] = 200,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run saved in --out.")] = False,
+    block_only_layers: Annotated[int, typer.Option("--block-only-layers", help="The last N draft layers see only the block (sliding_window 1), gathering from the anchor slot what earlier layers read from the context.")] = 0,
+    causal: Annotated[bool, typer.Option("--causal", help="Causal attention inside the block (slot k sees slots 0..k); written as dflash_config.is_causal.")] = False,
+    init: Annotated[str, typer.Option("--init", help="'random', or 'content-match': the first layer starts as a lookup of the position before the anchor (tied-embedding targets; taps must include the last layer).")] = "random",
+    answers_only: Annotated[bool, typer.Option("--answers-only", help="Anchor blocks only in assistant answers of chat text, one chat per window from its start.")] = False,
+    decay_gamma: Annotated[float, typer.Option("--decay-gamma", help="Slot k of a block weighs exp(-(k-1)/gamma) in the loss.")] = 4.0,
 ) -> None:
     """Train a DFlash draft for a target (block-diffusion objective, target frozen)."""
     from rich.progress import (
@@ -334,7 +339,7 @@ def train_draft_command(
     loaded, tokenizer = _load(model, None, "none")
     config = TrainConfig(
         seq_len=seq_len, anchors=anchors, block_size=block_size, steps=steps, learning_rate=learning_rate,
-        seed=seed, save_every=save_every, labels=labels,
+        seed=seed, save_every=save_every, labels=labels, answers_only=answers_only, decay_gamma=decay_gamma,
     )
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     try:
@@ -346,7 +351,8 @@ def train_draft_command(
 
             losses = train_draft(
                 loaded.target, tokenizer, data, out, config, num_layers=layers, mask_token_id=mask_token_id,
-                resume=resume, on_step=on_step, taps=tap_ids,
+                resume=resume, on_step=on_step, taps=tap_ids, block_only_layers=block_only_layers, causal=causal,
+                init=init,
             )
     except (ValueError, RuntimeError) as e:
         _fail(str(e))

@@ -41,16 +41,27 @@ class TrainConfig:
     labels: str = "target"  # "target": the target's greedy next token (what verification accepts); "corpus": the text
     seed: int = 0
     save_every: int = 200
+    answers_only: bool = False  # anchors only in assistant answers, one chat per window from its start
 
 
-def new_draft_config(target, num_layers: int, block_size: int, mask_token_id: int, taps: Optional[List[int]] = None) -> Dict:
-    """A z-lab (nested schema) draft config sized after the target's attention."""
+def new_draft_config(
+    target, num_layers: int, block_size: int, mask_token_id: int, taps: Optional[List[int]] = None,
+    block_only_layers: int = 0, causal: bool = False,
+) -> Dict:
+    """A z-lab (nested schema) draft config sized after the target's attention.
+
+    ``block_only_layers``: the last layers see only the block (``sliding_window`` 1): they gather
+    from the anchor slot what the first layers read from the context. ``causal``: causal
+    attention inside the block (slot k sees slots 0..k).
+    """
     a = target.args
     taps = list(taps) if taps else evenly_spaced_layer_ids(a.num_hidden_layers, num_layers)
     bad = [t for t in taps if not 0 <= t < a.num_hidden_layers]
     if bad:
         raise ValueError(f"tap {bad[0]} is not a layer of the {a.num_hidden_layers}-layer target (0..{a.num_hidden_layers - 1})")
-    return {
+    if not 0 <= block_only_layers < num_layers:
+        raise ValueError(f"block-only layers must be 0..{num_layers - 1} for a {num_layers}-layer draft, got {block_only_layers}")
+    config = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
         "hidden_size": a.hidden_size,
@@ -62,7 +73,7 @@ def new_draft_config(target, num_layers: int, block_size: int, mask_token_id: in
         "rms_norm_eps": a.rms_norm_eps,
         "max_position_embeddings": 262144,
         "vocab_size": a.vocab_size,
-        "layer_types": ["full_attention"] * num_layers,
+        "layer_types": ["full_attention"] * (num_layers - block_only_layers) + ["sliding_attention"] * block_only_layers,
         "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta},
         "dflash_config": {
             "block_size": block_size,
@@ -70,6 +81,50 @@ def new_draft_config(target, num_layers: int, block_size: int, mask_token_id: in
             "target_layer_ids": taps,
         },
     }
+    if block_only_layers:
+        config["sliding_window"] = 1
+    if causal:
+        config["dflash_config"]["is_causal"] = True
+    return config
+
+
+def content_match_init(draft: DFlashDraft, target) -> None:
+    """Start the first layer as a lookup of the position before the anchor.
+
+    Mask slots have no content to query with, and RoPE alone cannot single out the latest of
+    hundreds of context positions, so a random draft sits at the unigram for a long time. With
+    tied embeddings the target's normed last-layer state at position a-1 points at the anchor's
+    embedding (it predicted that token): fc reads that state, hidden_norm takes the target's final
+    norm, k/v/o are identities and q is the identity turned back by RoPE's one-position rotation,
+    so the anchor slot attends to a-1 from the first step. Needs ``kv_heads * head_dim == hidden``.
+    """
+    a, t = draft.args, target.args
+    H, D = a.hidden_size, a.head_dim
+    if not t.tie_word_embeddings:
+        raise ValueError("content-match init needs a target with tied embeddings (its head is its embedding)")
+    if a.num_key_value_heads * D != H:
+        raise ValueError(f"content-match init needs kv_heads * head_dim == hidden_size ({a.num_key_value_heads} * {D} != {H})")
+    last = t.num_hidden_layers - 1
+    if last not in draft.target_layer_ids:
+        raise ValueError(f"content-match init reads the target's last layer: include {last} in the taps")
+    i = draft.target_layer_ids.index(last)
+    fc = mx.zeros((H, H * len(draft.target_layer_ids)))
+    fc[:, i * H : (i + 1) * H] = mx.eye(H)
+    draft.fc.weight = fc
+    draft.hidden_norm.weight = mx.array(target.model.norm.weight)
+    attn = draft.layers[0].self_attn
+    attn.k_proj.weight, attn.v_proj.weight = mx.eye(H), mx.eye(H)
+    unrotate = draft.rope(mx.eye(D).reshape(D, 1, 1, D), offset=1).reshape(D, D)  # = R(1)^T
+    per_group = a.num_attention_heads // a.num_key_value_heads
+    q = mx.zeros((a.num_attention_heads * D, H))
+    o = mx.zeros((H, a.num_attention_heads * D))
+    for group in range(a.num_key_value_heads):  # one query head per kv group does the lookup
+        head = group * per_group
+        q[head * D : (head + 1) * D, group * D : (group + 1) * D] = unrotate
+        o[group * D : (group + 1) * D, head * D : (head + 1) * D] = mx.eye(D)
+    attn.q_proj.weight, attn.o_proj.weight = q, o
+    attn.q_norm.weight = mx.full((D,), 2.0)  # sharp enough to pick one position among hundreds
+    attn.k_norm.weight = mx.full((D,), 2.0)
 
 
 def block_logits(draft: DFlashDraft, features: mx.array, tokens: mx.array, anchors: mx.array) -> mx.array:
@@ -116,19 +171,75 @@ def dflash_loss(draft, features, tokens, labels, anchors, gamma: float) -> mx.ar
     return (ce * weights).sum() / (weights.sum() * anchors.shape[0])
 
 
+def _texts(path: Path) -> List[str]:
+    if path.suffix == ".jsonl":
+        return [json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip()]
+    return [path.read_text()]
+
+
 def corpus_tokens(paths: List[Path], tokenizer) -> np.ndarray:
     """All text of the corpus files (``.jsonl``: the ``text`` field of each line) as one id stream."""
     ids: List[int] = []
     for path in paths:
-        if path.suffix == ".jsonl":
-            texts = [json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip()]
-        else:
-            texts = [path.read_text()]
-        for text in texts:
+        for text in _texts(path):
             ids.extend(tokenizer.encode(text, add_special_tokens=False))
             if tokenizer.eos_token_id is not None:
                 ids.append(tokenizer.eos_token_id)
     return np.array(ids, dtype=np.int32)
+
+
+ANSWER_START, ANSWER_END = "<|im_start|>assistant\n", "<|im_end|>"
+
+
+def corpus_chats(paths: List[Path], tokenizer):
+    """Id stream of the corpus, a mask of assistant-answer tokens, and each text's start.
+
+    Answers run from ``<|im_start|>assistant\\n`` to their ``<|im_end|>`` (included: the target
+    predicts it). Each piece is tokenized on its own, so merges never cross a boundary.
+    """
+    ids: List[int] = []
+    answer: List[bool] = []
+    starts: List[int] = []
+    for path in paths:
+        for text in _texts(path):
+            starts.append(len(ids))
+            head, *turns = text.split(ANSWER_START)
+            pieces = [(head + (ANSWER_START if turns else ""), False)]
+            for i, turn in enumerate(turns):
+                reply, end, rest = turn.partition(ANSWER_END)
+                pieces += [(reply + end, True), (rest + (ANSWER_START if i + 1 < len(turns) else ""), False)]
+            for piece, is_answer in pieces:
+                piece_ids = tokenizer.encode(piece, add_special_tokens=False) if piece else []
+                ids.extend(piece_ids)
+                answer.extend([is_answer] * len(piece_ids))
+            if tokenizer.eos_token_id is not None:
+                ids.append(tokenizer.eos_token_id)
+                answer.append(False)
+    return np.array(ids, dtype=np.int32), np.array(answer, dtype=bool), np.array(starts, dtype=np.int64)
+
+
+def answer_windows(ids: np.ndarray, answer: np.ndarray, starts: np.ndarray, config: TrainConfig,
+                   rng: np.random.Generator) -> Iterator[tuple]:
+    """One text per window, from its start (the context the answer depends on, e.g. the file an
+    edit copies, is in the window); anchors only where a block fits inside an answer's window."""
+    n, B = config.seq_len, config.block_size
+    ends = np.append(starts[1:], len(ids))
+
+    def candidates(start, end):
+        window_answer = answer[start : min(start + n, end)]
+        return np.flatnonzero(window_answer[1 : len(window_answer) - B + 1]) + 1
+
+    usable = [(s, e) for s, e in zip(starts, ends) if len(candidates(s, e))]
+    if not usable:
+        raise ValueError(
+            f"--answers-only: no assistant answer in the corpus leaves room for a block of {B} "
+            f"in {n} tokens (answers start after {ANSWER_START!r})"
+        )
+    while True:
+        start, end = usable[int(rng.integers(0, len(usable)))]
+        cand = candidates(start, end)
+        anchors = rng.choice(cand, size=min(config.anchors, len(cand)), replace=False)
+        yield mx.array(ids[start : min(start + n, end)]), mx.array(np.sort(anchors).astype(np.int32))
 
 
 def batches(ids: np.ndarray, config: TrainConfig, rng: np.random.Generator) -> Iterator[tuple]:
@@ -160,6 +271,9 @@ def train_draft(
     mask_token_id: Optional[int] = None,
     resume: bool = False,
     taps: Optional[List[int]] = None,
+    block_only_layers: int = 0,
+    causal: bool = False,
+    init: str = "random",
     on_step=None,
 ) -> List[float]:
     """Train (or resume training) a draft for ``target`` and write it in z-lab's layout to ``out``."""
@@ -181,13 +295,16 @@ def train_draft(
                     "the target's embedding has no free row past its tokenizer for the mask token; "
                     "pass --mask-token-id with an id the tokenizer never produces"
                 )
-        draft_config = new_draft_config(target, num_layers, config.block_size, mask_token_id, taps)
+        if init not in ("random", "content-match"):
+            raise ValueError(f"init must be 'random' or 'content-match', got {init!r}")
+        draft_config = new_draft_config(target, num_layers, config.block_size, mask_token_id, taps, block_only_layers, causal)
         draft = DFlashDraft(DraftArgs.from_dict(draft_config))
         state = {"step": 0, "losses": []}
     draft.bind(target)
+    if not resume and init == "content-match":
+        content_match_init(draft, target)
     if draft.block_size != config.block_size:
         config.block_size = draft.block_size
-    ids = corpus_tokens(corpus, tokenizer)
     rng = np.random.default_rng(config.seed + state["step"])
     mx.random.seed(config.seed + state["step"])
     schedule = optim.join_schedules(
@@ -203,7 +320,10 @@ def train_draft(
         raise ValueError(f"labels must be 'target' or 'corpus', got {config.labels!r}")
     loss_and_grad = nn.value_and_grad(draft, lambda f, t, y, a: dflash_loss(draft, f, t, y, a, config.decay_gamma))
     losses = list(state["losses"])
-    data = batches(ids, config, rng)
+    if config.answers_only:
+        data = answer_windows(*corpus_chats(corpus, tokenizer), config, rng)
+    else:
+        data = batches(corpus_tokens(corpus, tokenizer), config, rng)
     while state["step"] < config.steps:
         tokens, anchors = next(data)
         logits, features = target.forward(tokens[None], taps=taps)

@@ -14,9 +14,19 @@ import pytest
 from dflash_mlx import tiny
 from dflash_mlx.api import load
 from dflash_mlx.loading import load_draft
+from dflash_mlx.models.dflash import DFlashDraft, DraftArgs
 from dflash_mlx.sampling import Sampler
 from dflash_mlx.speculative import speculative, target_only
-from dflash_mlx.train import TrainConfig, block_logits, train_draft
+from dflash_mlx.train import (
+    TrainConfig,
+    answer_windows,
+    block_logits,
+    content_match_init,
+    corpus_chats,
+    new_draft_config,
+    train_draft,
+)
+from tests.conftest import make_hf_target
 from tests.test_lossless import take
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,3 +139,103 @@ def test_the_draft_learns_a_rule_the_unigram_cannot_guess(setup, tmp_path):
     accuracy = np.concatenate(correct).mean()
     unigram = 1 / len(cycle)  # every character is equally frequent
     assert accuracy > 0.9, f"slot accuracy {accuracy:.2f}; the unigram gets {unigram:.2f}"
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    """A tied-embedding target (what content-match init needs) and a chat corpus with answers."""
+    root = tmp_path_factory.mktemp("tied")
+    target_dir = make_hf_target(root / "target", tie=True)
+    model, tokenizer = load(str(target_dir))
+    lines = []
+    for i in range(12):
+        code = tiny._CORPUS.splitlines()[i % 6]
+        user = f"Copy this line {i}:\n{code}"
+        lines.append(json.dumps({"text": f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n{code}<|im_end|>\n"}))
+    corpus = root / "chats.jsonl"
+    corpus.write_text("\n".join(lines) + "\n")
+    return root, target_dir, corpus, model, tokenizer
+
+
+def test_answers_only_anchors_blocks_in_answers_and_windows_start_at_a_chat(tied):
+    _, _, corpus, _, tokenizer = tied
+    ids, answer, starts = corpus_chats([corpus], tokenizer)
+    assert len(starts) == 12 and answer.any() and not answer.all()
+    first_answer = tokenizer.decode(ids[answer][: int(np.argmax(~answer[np.flatnonzero(answer)[0]:]))].tolist())
+    assert first_answer.endswith("<|im_end|>") and "Copy this line" not in first_answer
+    config = TrainConfig(seq_len=64, anchors=3, block_size=3)
+    windows = answer_windows(ids, answer, starts, config, np.random.default_rng(0))
+    for _ in range(10):
+        window, anchors = next(windows)
+        offset = next(s for s in starts if np.array_equal(ids[s : s + window.size], np.array(window)))
+        assert all(answer[offset + a] for a in np.array(anchors).tolist())
+        assert int(np.array(anchors).max()) <= window.size - config.block_size
+    with pytest.raises(ValueError, match="no assistant answer"):
+        next(answer_windows(ids, np.zeros_like(answer), starts, config, np.random.default_rng(0)))
+
+
+def test_content_match_init_points_the_anchor_slot_at_the_position_before_it(tied):
+    _, _, _, model, _ = tied
+    target = model.target
+    last = target.args.num_hidden_layers - 1
+    config = new_draft_config(target, 2, 4, target.args.vocab_size - 1, [1, last], block_only_layers=1, causal=True)
+    assert config["layer_types"] == ["full_attention", "sliding_attention"] and config["sliding_window"] == 1
+    assert config["dflash_config"]["is_causal"] is True
+    draft = DFlashDraft(DraftArgs.from_dict(config)).bind(target)
+    content_match_init(draft, target)
+    rng = np.random.default_rng(0)
+    N, H = 40, target.args.hidden_size
+    tokens = mx.array(rng.integers(0, 300, N).astype(np.int32))
+    for a in (10, 25, 39):
+        features = rng.normal(size=(1, N, 2 * H)).astype(np.float32)
+        # the state before the anchor is the one that predicted it: the anchor's own embedding
+        features[0, a - 1, H:] = np.array(target.embed_tokens.weight[int(tokens[a])])
+        ctx = draft.hidden_norm(draft.fc(mx.array(features)))[:, :a]
+        layer = draft.layers[0]
+        q, _, _ = layer.self_attn.project(layer.input_layernorm(draft._embed(tokens[a : a + 1][None])))
+        keys, _ = layer.self_attn.project_context(ctx)
+        scores = draft.rope(q, offset=a)[0, 0, 0] @ draft.rope(keys)[0, 0].T * layer.self_attn.scale
+        weights = np.array(mx.softmax(scores))
+        assert weights.argmax() == a - 1 and weights[a - 1] > 0.5, (a, weights.argmax(), weights.max())
+        # RoPE's one-position turn is undone: the match scores what an unrotated one would
+        # (q_norm and k_norm at 2.0: at most 4 * sqrt(head_dim)); without the undo it is ~3% lower.
+        assert float(scores[a - 1]) > 0.985 * 4 * draft.args.head_dim**0.5
+
+
+def test_content_match_init_refuses_what_it_cannot_do(setup, tied):
+    untied = setup[3].target
+    config = new_draft_config(untied, 1, 4, untied.args.vocab_size - 1, [untied.args.num_hidden_layers - 1])
+    with pytest.raises(ValueError, match="tied embeddings"):
+        content_match_init(DFlashDraft(DraftArgs.from_dict(config)).bind(untied), untied)
+    target = tied[3].target
+    config = new_draft_config(target, 1, 4, target.args.vocab_size - 1, [1])
+    with pytest.raises(ValueError, match="include 3 in the taps"):
+        content_match_init(DFlashDraft(DraftArgs.from_dict(config)).bind(target), target)
+    with pytest.raises(ValueError, match="block-only layers must be 0..0"):
+        new_draft_config(target, 1, 4, 511, [1], block_only_layers=1)
+
+
+def test_the_recipe_trains_and_writes_a_draft_our_loader_takes(tied, tmp_path):
+    _, target_dir, corpus, model, tokenizer = tied
+    out = tmp_path / "recipe"
+    done = subprocess.run(
+        [sys.executable, "-m", "dflash_mlx.cli", "train-draft", "-m", str(target_dir), "--data", str(corpus),
+         "--out", str(out), "--steps", "6", "--seq-len", "64", "--anchors", "4", "--block-size", "4", "--layers", "2",
+         "--taps", "1,3", "--block-only-layers", "1", "--causal", "--init", "content-match", "--answers-only",
+         "--decay-gamma", "2", "--save-every", "6"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert config["layer_types"] == ["full_attention", "sliding_attention"] and config["dflash_config"]["is_causal"]
+    draft, _ = load_draft(out)
+    draft.bind(model.target)
+    prompt = mx.array(tokenizer.encode("def fibonacci(n):"))
+    expected, _ = take(target_only(model.target, prompt, Sampler()), 16)
+    got, _ = take(speculative(model.target, draft, prompt, Sampler(), block_tokens=4), 16)
+    assert got == expected
+    bad = subprocess.run(
+        [sys.executable, "-m", "dflash_mlx.cli", "train-draft", "-m", str(target_dir), "--data", str(corpus),
+         "--out", str(tmp_path / "bad"), "--init", "clever"], capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )
+    assert bad.returncode == 1 and "init must be 'random' or 'content-match'" in bad.stderr and "Traceback" not in bad.stderr
