@@ -15,8 +15,10 @@
    weights go through the same HF loading path as any Qwen3.5 checkpoint.
    A second stage on the edit examples alone (loss on the answers) is what teaches it to copy.
 4. Draft: ``dflash-mlx train-draft`` on the same corpus, with the target's greedy choices as
-   labels (what verification accepts). Status: this draft does not learn yet (its loss stays at
-   the unigram level), see the model card; fixing that is the open part of issue 6.
+   labels (what verification accepts). Status: the shipped draft does not draft yet (its loss
+   stays at the unigram level), see the model card. train-draft's ``--init content-match
+   --block-only-layers 1 --causal --answers-only`` got a draft past that on a target built with
+   ``--lookahead-steps`` (issue 6); this script's draft stage does not use them yet.
 5. A model card (``README.md``) with data, sizes, steps and losses.
 """
 
