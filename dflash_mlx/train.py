@@ -229,15 +229,14 @@ def answer_windows(ids: np.ndarray, answer: np.ndarray, starts: np.ndarray, conf
         window_answer = answer[start : min(start + n, end)]
         return np.flatnonzero(window_answer[1 : len(window_answer) - B + 1]) + 1
 
-    usable = [(s, e) for s, e in zip(starts, ends) if len(candidates(s, e))]
+    usable = [(s, e, c) for s, e in zip(starts, ends) if len(c := candidates(s, e))]
     if not usable:
         raise ValueError(
             f"--answers-only: no assistant answer in the corpus leaves room for a block of {B} "
             f"in {n} tokens (answers start after {ANSWER_START!r})"
         )
     while True:
-        start, end = usable[int(rng.integers(0, len(usable)))]
-        cand = candidates(start, end)
+        start, end, cand = usable[int(rng.integers(0, len(usable)))]
         anchors = rng.choice(cand, size=min(config.anchors, len(cand)), replace=False)
         yield mx.array(ids[start : min(start + n, end)]), mx.array(np.sort(anchors).astype(np.int32))
 

@@ -161,7 +161,8 @@ def test_answers_only_anchors_blocks_in_answers_and_windows_start_at_a_chat(tied
     _, _, corpus, _, tokenizer = tied
     ids, answer, starts = corpus_chats([corpus], tokenizer)
     assert len(starts) == 12 and answer.any() and not answer.all()
-    first_answer = tokenizer.decode(ids[answer][: int(np.argmax(~answer[np.flatnonzero(answer)[0]:]))].tolist())
+    first = int(np.flatnonzero(answer)[0])
+    first_answer = tokenizer.decode(ids[first : first + int(np.argmax(~answer[first:]))].tolist())
     assert first_answer.endswith("<|im_end|>") and "Copy this line" not in first_answer
     config = TrainConfig(seq_len=64, anchors=3, block_size=3)
     windows = answer_windows(ids, answer, starts, config, np.random.default_rng(0))
