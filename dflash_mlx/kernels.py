@@ -173,6 +173,7 @@ def _chunk_step(q, k, v, g, beta, state):
     delta_t = beta_t (v_t - G_t S_0 k_t - sum_{s<t} (G_t/G_s) (k_s.k_t) delta_s) is a unit
     lower-triangular system in the chunk's deltas, solved with one triangular inverse.
     """
+    q, k = _expand_heads(q, v.shape[-2]), _expand_heads(k, v.shape[-2])
     Q, K, V = _head_major(q), _head_major(k), _head_major(v)
     lg, b = _log_decay(g), _head_major(beta[..., None])[..., 0]
     T = Q.shape[2]
@@ -189,13 +190,15 @@ def _chunk_step(q, k, v, g, beta, state):
 
 @mx.compile
 def _replay_chunk(k, g, delta, state):
+    k = _expand_heads(k, delta.shape[-2])
     return _state_after(state, _head_major(k), _log_decay(g), _head_major(delta))
 
 
 def gated_delta_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     """Chunked recurrence: returns ``(y, final_state, delta_tape)`` like the reference."""
-    hv = v.shape[-2]
-    q, k = _expand_heads(q, hv), _expand_heads(k, hv)
+    if q.shape[1] <= chunk:  # a verify block: no slicing (each slice is one more dispatched op)
+        y, state, delta = _chunk_step(q, k, v, g, beta, state)
+        return y.astype(q.dtype), state, delta
     ys, deltas = [], []
     for s in range(0, q.shape[1], chunk):
         e = s + chunk
@@ -208,7 +211,8 @@ def gated_delta_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
 
 def tape_replay_chunked(state, k, g, delta, steps: int):
     """Replay as one weighted sum per chunk (the algebra of ``_state_after``)."""
-    k = _expand_heads(k, delta.shape[-2])
+    if steps == k.shape[1] <= CHUNK:
+        return _replay_chunk(k, g, delta, state)
     for s in range(0, steps, CHUNK):
         e = min(s + CHUNK, steps)
         state = _replay_chunk(k[:, s:e], g[:, s:e], delta[:, s:e], state)

@@ -142,6 +142,7 @@ def draft_config(
     schema: str = "nested",
     layer_types: Optional[List[str]] = None,
     sliding_window: Optional[int] = None,
+    is_causal: Optional[bool] = None,
 ) -> Dict:
     """A z-lab draft config for ``target``, in the nested (2026) or legacy schema."""
     H = target["hidden_size"]
@@ -175,6 +176,8 @@ def draft_config(
             config["sliding_window"] = sliding_window
     else:
         raise ValueError(f"unknown draft schema {schema!r}")
+    if is_causal is not None:
+        config["dflash_config"]["is_causal"] = is_causal
     return config
 
 

@@ -153,8 +153,8 @@ def block_logits(draft: DFlashDraft, features: mx.array, tokens: mx.array, ancho
         visible = before_anchor
         if attn.sliding_window is not None:
             visible = visible & (query_pos - context_pos < attn.sliding_window)
-        inside = attn._mask(B, 0)
-        inside = mx.ones((B, B), dtype=mx.bool_) if inside is None else inside
+        inside = mx.ones((B, B), dtype=mx.bool_)
+        inside = mx.tril(inside) if attn.is_causal else inside
         mask = mx.concatenate([mx.broadcast_to(visible, (n, B, N)), mx.broadcast_to(inside, (n, B, B))], axis=-1)
         x = x + attn.attend(q, keys, values, mask[:, None])
         x = x + layer.mlp(layer.post_attention_layernorm(x))

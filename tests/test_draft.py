@@ -67,19 +67,25 @@ def test_sliding_layers_window_the_context_and_stay_lossless(tmp_path, target, t
     assert_lossless(target, PROMPT, expected, got)
 
 
-def test_a_block_only_layer_reads_no_context_and_training_agrees_with_decoding(tmp_path, target, target_config):
+@pytest.mark.parametrize("is_causal", [None, True])
+def test_a_block_only_layer_reads_no_context_and_training_agrees_with_decoding(tmp_path, target, target_config, is_causal):
     """``sliding_window: 1`` leaves a layer only its block (causal): a layer that gathers from
-    the anchor slot what an earlier layer read from the context."""
+    the anchor slot what an earlier layer read from the context. With ``is_causal`` the full
+    layer's block is causal too (decoding passes MLX's named "causal" mask, training builds it)."""
     from dflash_mlx.train import block_logits
 
     draft = make_draft(
         tmp_path / "block-only", target, target_config, seed=5,
-        layer_types=["full_attention", "sliding_attention"], sliding_window=1,
+        layer_types=["full_attention", "sliding_attention"], sliding_window=1, is_causal=is_causal,
     )
+    assert draft.layers[0].self_attn.is_causal == bool(is_causal)
     cache = draft.make_cache()
     assert cache[1].window == 0
     features = context_features(target, draft)
     draft.add_context(features, cache)
+    # The block-only layer stores nothing but still counts positions (its block's RoPE offset).
+    assert cache[1].keys is None and cache[1].offset == cache[0].offset == PROMPT.size
+    assert cache[1].rewind(3) and cache[1].offset == 3
     tokens = PROMPT
     anchors = mx.array([4, 9], dtype=mx.int32)
     trained = np.array(block_logits(draft, features, tokens, anchors))
@@ -190,10 +196,18 @@ def test_quantization_specs():
 
 def test_w8_draft_is_quantized_and_smaller(tmp_path, target, target_config):
     draft = make_draft(tmp_path, target, target_config)
+    features = context_features(target, draft)
+    full_precision = draft_logits(draft, features)  # also compiles the layers' pieces
     before = sum(v.nbytes for _, v in nn.utils.tree_flatten(draft.parameters()))
     assert quantize_draft(draft, "w8:gs32") == {"group_size": 32, "bits": 8}
     after = sum(v.nbytes for _, v in nn.utils.tree_flatten(draft.parameters()))
     assert isinstance(draft.fc, nn.QuantizedLinear) and after < 0.5 * before
+    # Quantizing after a first use is picked up (no stale compiled graph), and w8 stays close.
+    fresh = make_draft(tmp_path / "fresh", target, target_config)
+    quantize_draft(fresh, "w8:gs32")
+    np.testing.assert_array_equal(draft_logits(draft, features), draft_logits(fresh, features))
+    assert not np.array_equal(draft_logits(draft, features), full_precision)
+    np.testing.assert_allclose(draft_logits(draft, features), full_precision, atol=0.1)
     # The target's embedding and head stay untouched: they are not the draft's parameters.
     assert isinstance(target.model.embed_tokens, nn.Embedding) and isinstance(target.lm_head, nn.Linear)
 

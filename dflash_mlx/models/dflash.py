@@ -126,12 +126,25 @@ class ContextCache:
     def _capacity(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
 
+    @property
+    def reads_no_context(self) -> bool:
+        """A block-only layer (window 0): its context K/V would never be read."""
+        return self.window == 0
+
     def rewind(self, position: int) -> bool:
         """Forget context from ``position`` on; False if that part was already dropped."""
+        if self.reads_no_context and 0 <= position <= self.offset:
+            self.offset = self.start = position
+            return True
         if not self.start <= position <= self.offset:
             return False
         self.offset = position
         return True
+
+    def advance(self, count: int) -> None:
+        """Move on ``count`` positions without storing them (block-only layers)."""
+        self.offset += count
+        self.start = self.offset
 
     def append(self, ctx_k: mx.array, ctx_v: mx.array) -> None:
         """Add committed context K/V (positions ``offset..``)."""
@@ -192,26 +205,36 @@ class DraftAttention(nn.Module):
         return (q, *self.project_context(x))
 
     def attend(self, q, keys, values, mask) -> mx.array:
-        B, _, L, _ = q.shape
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.output(mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask))
+
+    def output(self, heads: mx.array) -> mx.array:
+        """Attention heads [B, H, L, D] -> the layer's attention output [B, L, hidden]."""
+        B, _, L, _ = heads.shape
+        return self.o_proj(heads.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
     def add_context(self, ctx: mx.array, rope, cache: ContextCache) -> None:
         """Project context features into this layer's K/V cache."""
+        if cache.reads_no_context:
+            cache.advance(ctx.shape[1])  # positions still count: the block's RoPE offset
+            return
         ck, cv = self.project_context(ctx)
         cache.append(rope(ck, offset=cache.offset), cv)
 
-    def __call__(self, x, rope, cache: ContextCache):
-        q, k, v = self.project(x)
-        q = rope(q, offset=cache.offset)
-        k = rope(k, offset=cache.offset)
-        keep = None if self.sliding_window is None else self.sliding_window - 1
-        keys, values, n_ctx = cache.fetch_with_block(k, v, keep)
-        return self.attend(q, keys, values, self._mask(q.shape[2], n_ctx))
+    def block_heads(self, q, k, v, cache: ContextCache) -> mx.array:
+        """Attention heads of the rotated block over the cached context and itself."""
+        if cache.reads_no_context:
+            keys, values, n_ctx = k, v, 0
+        else:
+            keep = None if self.sliding_window is None else self.sliding_window - 1
+            keys, values, n_ctx = cache.fetch_with_block(k, v, keep)
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=self._mask(q.shape[2], n_ctx))
 
-    def _mask(self, L: int, n_ctx: int) -> Optional[mx.array]:
-        if not self.is_causal and self.sliding_window is None:
-            return None
+    def _mask(self, L: int, n_ctx: int):
+        if self.sliding_window is None or n_ctx == 0:
+            # Every fetched context key is visible to every slot. MLX aligns "causal" to the
+            # last key, so block slot i sees the context and slots <= i; named masks also
+            # spare the per-cycle ops of building one (the cycle is dispatch-bound on CPU).
+            return "causal" if self.is_causal else None
         query = mx.arange(L)[:, None]
         key = mx.arange(n_ctx + L)[None] - n_ctx  # block-relative: context keys are negative
         visible = key >= 0 if not self.is_causal else (key >= 0) & (key <= query)
@@ -229,10 +252,33 @@ class DraftLayer(nn.Module):
         self.mlp = MLP(args.hidden_size, args.intermediate_size)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self._before_attention = self._after_attention = None  # compiled on first use
 
     def __call__(self, x, rope, cache):
-        h = x + self.self_attn(self.input_layernorm(x), rope, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        before, after = self._compiled(rope)
+        q, k, v = before(x, mx.array(cache.offset))
+        return after(x, self.self_attn.block_heads(q, k, v, cache))
+
+    def _compiled(self, rope):
+        """The work on either side of the attention, compiled (fixed shapes, weights as inputs).
+
+        A cycle on MLX's CPU backend costs per operation more than per FLOP; fusing the norms,
+        RoPE and activations removes most of the draft's operations. The attention itself stays
+        outside: its key count grows every cycle."""
+        if self._before_attention is None:
+            attn = self.self_attn
+
+            def before(x, offset):
+                q, k, v = attn.project(self.input_layernorm(x))
+                return rope(q, offset=offset), rope(k, offset=offset), v
+
+            def after(x, heads):
+                h = x + attn.output(heads)
+                return h + self.mlp(self.post_attention_layernorm(h))
+
+            self._before_attention = mx.compile(before, inputs=self.state)
+            self._after_attention = mx.compile(after, inputs=self.state)
+        return self._before_attention, self._after_attention
 
 
 def _in_features(linear: nn.Module) -> int:
