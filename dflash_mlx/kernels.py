@@ -51,16 +51,21 @@ def _metal_kernel(name: str):
     return mx.fast.metal_kernel(name=name, input_names=inputs, output_names=outputs, source=kernel_source(name))
 
 
+def recurrence_mode(k_head_dim: int, k_heads: int, v_head_dim: int, v_heads: int) -> str:
+    """What ``gated_delta`` runs for these head shapes now: ``"metal"`` (the kernels, on an Apple
+    GPU, for the shapes they support, unless switched off) or the pure-MLX choice
+    (``"reference"``, or ``"mlx-cpu"`` / ``"mlx-gpu"``: chunked on CPU for multi-token calls).
+    Callers that compile around the recurrence key their compiled graph on it."""
+    if os.environ.get(BACKEND_ENV, "auto") == "reference":
+        return "reference"
+    on_gpu = mx.default_device() == mx.gpu
+    if on_gpu and mx.metal.is_available() and k_head_dim % 32 == 0 and v_head_dim % 4 == 0 and v_heads % k_heads == 0:
+        return "metal"
+    return "mlx-gpu" if on_gpu else "mlx-cpu"
+
+
 def use_metal(k: mx.array, v: mx.array) -> bool:
-    """The Metal kernels run on an Apple GPU, for the shapes they support, unless switched off."""
-    return (
-        os.environ.get(BACKEND_ENV, "auto") != "reference"
-        and mx.default_device() == mx.gpu
-        and mx.metal.is_available()
-        and k.shape[-1] % 32 == 0
-        and v.shape[-1] % 4 == 0
-        and v.shape[-2] % k.shape[-2] == 0
-    )
+    return recurrence_mode(k.shape[-1], k.shape[-2], v.shape[-1], v.shape[-2]) == "metal"
 
 
 def _template(k: mx.array, v: mx.array):

@@ -89,9 +89,7 @@ def accept(
     """
     n = drafted.shape[0]
     if sampler.greedy:
-        choice = mx.argmax(target_logits, axis=-1)
-        accepted = mx.cumprod((drafted == choice[:n]).astype(mx.int32)).sum()
-        return accepted, choice[accepted]
+        return _greedy_accept(target_logits, drafted)
     p = sampler.probs(target_logits)
     p_d = mx.take_along_axis(p[:n], drafted[:, None], axis=-1)[:, 0]
     q_d = mx.take_along_axis(draft_probs, drafted[:, None], axis=-1)[:, 0]
@@ -103,6 +101,14 @@ def accept(
     residual = mx.where(mass > 0, residual / mx.maximum(mass, 1e-30), p[:n])
     candidates = categorical(mx.concatenate([residual, p[n:]], axis=0))
     return accepted, candidates[accepted]
+
+
+@mx.compile
+def _greedy_accept(target_logits: mx.array, drafted: mx.array) -> Tuple[mx.array, mx.array]:
+    # Compiled: a handful of tiny ops per cycle cost more to dispatch than to run on CPU.
+    choice = mx.argmax(target_logits, axis=-1)
+    accepted = mx.cumprod((drafted == choice[: drafted.shape[0]]).astype(mx.int32)).sum()
+    return accepted, choice[accepted]
 
 
 def make_sampler(temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> Sampler:

@@ -117,6 +117,7 @@ def speculative(
     while True:
         draft_logits = draft(mx.concatenate([token, masks])[None], draft_cache)[0]
         drafted, draft_probs = propose(draft_logits, sampler)
+        mx.async_eval(drafted, draft_probs)  # the draft runs while Python builds the verify graph
         verify_in = mx.concatenate([token, drafted.astype(token.dtype)])
         logits, features = target.forward(verify_in[None], cache, taps, record_tape=True)
         n_accepted, next_token = accept(logits[0], drafted, draft_probs, sampler)
@@ -124,6 +125,6 @@ def speculative(
         n = n_accepted.item()
         rollback(cache, fed=block, keep=n + 1)
         draft.add_context(features[:, : n + 1], draft_cache)
-        tokens = drafted[:n].tolist() + [next_token.item()]
+        tokens = drafted.tolist()[:n] + [next_token.item()]  # evaluated: no slice op, no second sync
         yield Commit(tokens, _logprobs(logits[0, : n + 1]), drafted=block - 1, accepted=n)
         token = next_token.reshape(1)

@@ -134,16 +134,43 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, args.hidden_size, bias=False)
 
     def __call__(self, x, cache: Optional[GatedDeltaCache] = None, record_tape: bool = False):
+        conv_state, start_state = self.states(x, cache)
+        out, *carry = self.mix(x, conv_state, start_state)
+        self.update_cache(cache, start_state, carry, record_tape)
+        return out
+
+    def states(self, x, cache: Optional[GatedDeltaCache]):
+        """The conv and recurrent states a call starts from (zeros for a fresh cache)."""
+        B = x.shape[0]
+        conv_state = None if cache is None else cache.conv_state
+        if conv_state is None:
+            conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), dtype=x.dtype)
+        start_state = None if cache is None else cache.state
+        if start_state is None:
+            start_state = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), dtype=mx.float32)
+        return conv_state, start_state
+
+    def update_cache(self, cache: Optional[GatedDeltaCache], start_state, carry, record_tape: bool) -> None:
+        if cache is None:
+            return
+        conv_input, state, k, g, delta = carry
+        if record_tape:
+            cache.tape = GatedDeltaTape(start_state, conv_input, k, g, delta)
+        cache.conv_state = conv_input[:, -(self.conv_kernel_size - 1) :]
+        cache.state = state
+        cache.offset += k.shape[1]
+
+    def recurrence_mode(self) -> str:
+        return kernels.recurrence_mode(self.head_k_dim, self.num_k_heads, self.head_v_dim, self.num_v_heads)
+
+    def mix(self, x, conv_state, start_state):
+        """Output, conv input, final state, and the tape's k, g, delta (a pure function)."""
         B, T, _ = x.shape
         qkv = self.in_proj_qkv(x)
         z = self.in_proj_z(x).reshape(B, T, self.num_v_heads, self.head_v_dim)
         beta = mx.sigmoid(self.in_proj_b(x))
         g = _decay(self.A_log, self.in_proj_a(x), self.dt_bias)
-
-        conv_state = None if cache is None else cache.conv_state
-        if conv_state is None:
-            conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), dtype=qkv.dtype)
-        conv_input = mx.concatenate([conv_state, qkv], axis=1)
+        conv_input = mx.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)
         conv_out = nn.silu(self.conv1d(conv_input))
         q, k, v = mx.split(conv_out, [self.key_dim, 2 * self.key_dim], axis=-1)
         q = q.reshape(B, T, self.num_k_heads, self.head_k_dim)
@@ -154,19 +181,9 @@ class GatedDeltaNet(nn.Module):
         eps = 1e-6 * inv_scale**2
         q = (inv_scale**2) * mx.fast.rms_norm(q, None, eps)
         k = inv_scale * mx.fast.rms_norm(k, None, eps)
-
-        start_state = None if cache is None else cache.state
         y, state, delta = kernels.gated_delta(q, k, v, g, beta, start_state)
-        if cache is not None:
-            if record_tape:
-                if start_state is None:
-                    start_state = mx.zeros_like(state)
-                cache.tape = GatedDeltaTape(start_state, conv_input, k, g, delta)
-            cache.conv_state = conv_input[:, -(self.conv_kernel_size - 1) :]
-            cache.state = state
-            cache.offset += T
         out = self.norm(y, z)
-        return self.out_proj(out.reshape(B, T, -1))
+        return self.out_proj(out.reshape(B, T, -1)), conv_input, state, k, g, delta
 
 
 class Attention(nn.Module):
@@ -190,21 +207,28 @@ class Attention(nn.Module):
         )
 
     def __call__(self, x, cache: Optional[KVCache] = None):
+        q, k, v, gate = self.project(x, 0 if cache is None else cache.offset)
+        return self.output(self.attend(q, k, v, cache), gate)
+
+    def project(self, x, offset):
+        """Rotated queries, keys, values [B, H, T, D] and the output gate [B, T, H*D]."""
         B, T, _ = x.shape
         queries, gate = mx.split(self.q_proj(x).reshape(B, T, self.n_heads, -1), 2, axis=-1)
         gate = gate.reshape(B, T, -1)
         queries = self.q_norm(queries).transpose(0, 2, 1, 3)
         keys = self.k_norm(self.k_proj(x).reshape(B, T, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
         values = self.v_proj(x).reshape(B, T, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        offset = 0 if cache is None else cache.offset
-        queries = self.rope(queries, offset=offset)
-        keys = self.rope(keys, offset=offset)
+        return self.rope(queries, offset=offset), self.rope(keys, offset=offset), values, gate
+
+    def attend(self, queries, keys, values, cache: Optional[KVCache]) -> mx.array:
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
-        mask = "causal" if T > 1 else None
-        out = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
-        out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
-        return self.o_proj(out * mx.sigmoid(gate))
+        mask = "causal" if queries.shape[2] > 1 else None
+        return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
+
+    def output(self, heads, gate):
+        B, _, T, _ = heads.shape
+        return self.o_proj(heads.transpose(0, 2, 1, 3).reshape(B, T, -1) * mx.sigmoid(gate))
 
 
 class DecoderLayer(nn.Module):
@@ -218,13 +242,49 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = ZeroCentredRMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = ZeroCentredRMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        # Compiled forms per recurrence mode (see _pieces); a plain attribute, not a parameter.
+        object.__setattr__(self, "_compiled", {})
 
     def __call__(self, x, cache=None, record_tape: bool = False):
         if self.is_linear:
-            r = self.linear_attn(self.input_layernorm(x), cache, record_tape)
-        else:
-            r = self.self_attn(self.input_layernorm(x), cache)
-        h = x + r
+            mixer = self.linear_attn
+            conv_state, start_state = mixer.states(x, cache)
+            whole = self._pieces(mixer.recurrence_mode())
+            out, *carry = whole(x, conv_state, start_state)
+            mixer.update_cache(cache, start_state, carry, record_tape)
+            return out
+        before, after = self._pieces("attention")
+        q, k, v, gate = before(x, mx.array(0 if cache is None else cache.offset))
+        return after(x, self.self_attn.attend(q, k, v, cache), gate)
+
+    def _pieces(self, mode: str):
+        """This layer compiled: whole for Gated DeltaNet (the recurrence is plain MLX off Metal),
+        around the cache for attention (its key count grows every step).
+
+        A decode step of a small model on MLX's CPU backend costs per dispatched operation;
+        compiled, the elementwise work fuses and Python builds the graph once per shape. With
+        the Metal kernels the layer runs uncompiled. Compiled graphs embed the recurrence variant
+        they traced, hence one per mode."""
+        if mode not in self._compiled:
+            if mode == "metal":
+                self._compiled[mode] = self._linear_layer
+            elif self.is_linear:
+                self._compiled[mode] = mx.compile(self._linear_layer, inputs=self.state)
+            else:
+                self._compiled[mode] = (
+                    mx.compile(lambda x, offset: self.self_attn.project(self.input_layernorm(x), offset), inputs=self.state),
+                    mx.compile(self._attention_output, inputs=self.state),
+                )
+        return self._compiled[mode]
+
+    def _linear_layer(self, x, conv_state, start_state):
+        out, *carry = self.linear_attn.mix(self.input_layernorm(x), conv_state, start_state)
+        return (self._feed_forward(x + out), *carry)
+
+    def _attention_output(self, x, heads, gate):
+        return self._feed_forward(x + self.self_attn.output(heads, gate))
+
+    def _feed_forward(self, h):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
