@@ -14,12 +14,14 @@
    which is the fastest trainer on this CPU, and saved with ``save_pretrained``: the shipped
    weights go through the same HF loading path as any Qwen3.5 checkpoint.
    A second stage on the edit examples alone (loss on the answers) is what teaches it to copy.
-4. Draft: ``dflash-mlx train-draft`` on the same corpus, with the target's greedy choices as
-   labels (what verification accepts). Status: the shipped draft does not draft yet (its loss
-   stays at the unigram level), see the model card. train-draft's ``--init content-match
-   --block-only-layers 1 --causal --answers-only`` got a draft past that on a target built with
-   ``--lookahead-steps`` (issue 6); this script's draft stage does not use them yet.
-5. A model card (``README.md``) with data, sizes, steps and losses.
+4. Lookahead rounds on the target: extra heads (dropped at save) learn to predict 2..4 tokens ahead
+   from each hidden state on the edit answers, so that the features the draft reads carry the
+   next tokens; the last round weighs them at 0.3 so that the target keeps copying exactly.
+5. Draft: ``dflash-mlx train-draft`` on the edit examples, labels = the target's greedy choices
+   (what verification accepts), with the recipe that gets a small draft past the unigram plateau:
+   2 layers (the second sees only the block), causal block, first layer initialised as a lookup
+   of the position before the anchor, anchors in the answers (see the README, "Training a draft").
+6. A model card (``README.md``) with data, sizes, steps and losses.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ TARGET_CONFIG = {
     ).items() if k not in ("architectures", "model_type", "dtype", "eos_token_id")
 }
 DRAFT_TAPS = "1,3,5"  # the draft reads an early, a middle and the last layer
+# train-draft options that get this small draft past the unigram plateau (README, "Training a draft").
+DRAFT_RECIPE = ["--block-only-layers", "1", "--causal", "--init", "content-match", "--answers-only", "--decay-gamma", "2"]
 SYSTEM_OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"  # Debian's libopenblas0
 SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "site-packages", "ensurepip", "pydoc_data", "encodings", "__pycache__", "config-3.11-x86_64-linux-gnu"}
 EDIT_REPLY = "Reply with the whole updated file and nothing else."
@@ -340,13 +344,14 @@ def train_copy_stage(corpus: Path, target_dir: Path, steps: int, batch: int, seq
 
 
 def train_lookahead_stage(corpus: Path, target_dir: Path, steps: int, batch: int, seq_len: int, lr: float, seed: int,
-                          horizon: int) -> list:
+                          horizon: int, weight: float = 1.0) -> list:
     """Continue the target on edit answers with extra heads predicting tokens 2..``horizon`` ahead.
 
     The draft reads the target's hidden states. Trained on the next token alone, this target keeps
     little about the tokens after it, so the draft has nothing to read them from; Qwen3.5 itself is
     trained with multi-token prediction. The heads (residual MLPs into the tied output) are dropped
-    when the target is saved: its architecture and loading path do not change.
+    when the target is saved: its architecture and loading path do not change. ``weight`` scales
+    the heads' mean loss against the next-token loss: at 1.0 this small target copies worse.
     Returns [next-token loss, +2 loss, ...] per step.
     """
     import torch
@@ -376,7 +381,7 @@ def train_lookahead_stage(corpus: Path, target_dir: Path, steps: int, batch: int
             logits = model.lm_head(h if k == 1 else h + heads[k - 2](h))
             losses.append(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, k:].reshape(-1), ignore_index=-100))
         per_offset.append([x.item() for x in losses])
-        return losses[0] + sum(losses[1:]) / max(len(losses) - 1, 1)
+        return losses[0] + weight * sum(losses[1:]) / max(len(losses) - 1, 1)
 
     fit(model, answer_batches(examples, batch, tokenizer.pad_token_id), steps, lr, seed, "lookahead", target_dir,
         loss_fn=loss_fn, extra=heads)
@@ -385,13 +390,20 @@ def train_lookahead_stage(corpus: Path, target_dir: Path, steps: int, batch: int
 
 # ----------------------------------------------------------------------------- draft
 
+def write_edit_corpus(corpus: Path, out: Path) -> int:
+    """The edit chats alone: the draft trains where the demo is meant to draft (copying a file)."""
+    lines = [line for line in corpus.open() if is_edit(json.loads(line)["text"])]
+    out.write_text("".join(lines))
+    return len(lines)
+
+
 def train_draft(target_dir: Path, corpus: Path, draft_dir: Path, args) -> list:
     if draft_dir.exists():
         shutil.rmtree(draft_dir)
     cmd = [sys.executable, "-m", "dflash_mlx.cli", "train-draft", "--model", str(target_dir), "--data", str(corpus),
-           "--out", str(draft_dir), "--layers", "1", "--taps", DRAFT_TAPS, "--block-size", str(args.block_size),
+           "--out", str(draft_dir), "--layers", str(args.draft_layers), "--taps", DRAFT_TAPS, "--block-size", str(args.block_size),
            "--steps", str(args.draft_steps), "--seq-len", str(args.draft_seq_len), "--anchors", str(args.draft_anchors),
-           "--learning-rate", str(args.draft_lr), "--seed", str(args.seed)]
+           "--learning-rate", str(args.draft_lr), "--seed", str(args.seed), *DRAFT_RECIPE]
     env = dict(os.environ)
     if args.blas:
         # MLX's Linux CPU wheel bundles the reference BLAS (about 1 GFLOP/s here); preloading an optimised
@@ -410,13 +422,16 @@ def curve(losses, points=8):
 
 
 def lookahead_paragraph(info: dict) -> str:
-    if "lookahead_stage" not in info:
+    if not info.get("lookahead_rounds"):
         return ""
-    la = info["lookahead_stage"]
-    losses = ", ".join(f"+{k + 1}: {v:.2f}" for k, v in enumerate(la["final_losses"]))
-    return (f"A lookahead stage then trained extra heads (dropped at save) to predict up to {la['horizon']} tokens ahead\n"
-            f"from each hidden state, on the edit answers: {la['steps']} steps, peak lr {la['lr']}, {la['minutes']:.0f} min;\n"
-            f"final answer losses per offset: {losses}.\n\n")
+    rounds = info["lookahead_rounds"]
+    lines = "\n".join(
+        f"- {r['steps']} steps, peak lr {r['lr']}, weight {r['weight']}, {r['minutes']:.0f} min; final answer losses per offset: "
+        + ", ".join(f"+{k + 1}: {v:.2f}" for k, v in enumerate(r["final_losses"]))
+        for r in rounds
+    )
+    return (f"Lookahead rounds then trained extra heads (dropped at save) to predict up to {rounds[0]['horizon']} tokens\n"
+            f"ahead from each hidden state, on the edit answers (loss: next token + weight x mean of the heads'):\n{lines}\n\n")
 
 
 def model_card(info: dict) -> str:
@@ -453,12 +468,28 @@ soon repeats itself). A third stage on the whole mix (200 steps, lr 1e-3) brough
 by breaking the copying, so the shipped target is the one after stage 2.
 
 {lookahead_paragraph(info)}## Draft
-DFlash draft, 1 decoder layer, block size {d["block_size"]}, reading target layers {DRAFT_TAPS},
-trained with `dflash-mlx train-draft` (target frozen, labels = the target's greedy
-choices): {d["steps"]} steps, windows of {d["seq_len"]} tokens with {d["anchors"]} anchored blocks each,
+DFlash draft, {d.get("layers", 1)} decoder layers, block size {d["block_size"]}, reading target layers {DRAFT_TAPS},
+trained with `dflash-mlx train-draft` (target frozen, labels = the target's greedy choices) on the
+{d.get("edit_chats", 0):,} edit chats, with `{d.get("recipe", "")}`:
+{d["steps"]} steps, windows of {d["seq_len"]} tokens with {d["anchors"]} anchored blocks each,
 peak lr {d["lr"]}, {d["minutes"]:.0f} min (BLAS: {d["blas"]}). Loss (weighted block CE, mean of 20 steps, at step): {d["losses"]};
 final {d["final_loss"]:.2f}.
 """
+
+
+DEFAULT_LOOKAHEAD = ["300:1e-3:1", "400:1e-3:1", "300:5e-4:0.3"]
+
+
+def lookahead_round(spec: str):
+    """``STEPS:LR:WEIGHT`` -> (steps, lr, weight)."""
+    try:
+        steps, lr, weight = spec.split(":")
+        parsed = int(steps), float(lr), float(weight)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected STEPS:LR:WEIGHT, e.g. 300:1e-3:1") from None
+    if parsed[0] < 0 or (parsed[0] and (parsed[1] <= 0 or parsed[2] < 0)):
+        raise argparse.ArgumentTypeError(f"{spec!r}: steps must be >= 0, lr > 0 and weight >= 0")
+    return parsed
 
 
 def main():
@@ -470,27 +501,30 @@ def main():
     parser.add_argument("--batch", type=int, default=12, help="Target rows per step.")
     parser.add_argument("--seq-len", type=int, default=1024, help="Target tokens per row.")
     parser.add_argument("--lr", type=float, default=3e-3, help="First target stage peak learning rate.")
-    parser.add_argument("--block-size", type=int, default=16, help="Draft block size.")
-    parser.add_argument("--draft-steps", type=int, default=1500, help="train-draft --steps.")
-    parser.add_argument("--draft-seq-len", type=int, default=768, help="train-draft --seq-len.")
-    parser.add_argument("--draft-anchors", type=int, default=48, help="train-draft --anchors.")
-    parser.add_argument("--draft-lr", type=float, default=2e-3, help="train-draft --learning-rate.")
+    parser.add_argument("--block-size", type=int, default=4, help="Draft block size.")
+    parser.add_argument("--draft-steps", type=int, default=3000, help="train-draft --steps.")
+    parser.add_argument("--draft-seq-len", type=int, default=1024, help="train-draft --seq-len.")
+    parser.add_argument("--draft-anchors", type=int, default=64, help="train-draft --anchors.")
+    parser.add_argument("--draft-lr", type=float, default=3e-3, help="train-draft --learning-rate.")
     parser.add_argument("--blas", default=SYSTEM_OPENBLAS if Path(SYSTEM_OPENBLAS).exists() else "",
                         help="Optimised BLAS to preload for train-draft on Linux ('' for none); default: Debian's OpenBLAS if installed.")
     parser.add_argument("--copy-steps", type=int, default=400, help="Second target stage: edit examples, loss on the answers.")
     parser.add_argument("--copy-lr", type=float, default=3e-3, help="Second target stage peak learning rate.")
     parser.add_argument("--copy-rounds", type=int, default=2, help="Rounds of the second stage (each --copy-steps long).")
-    parser.add_argument("--lookahead-steps", type=int, default=0,
-                        help="Experimental third target stage (off by default): steps of multi-token heads on edit answers.")
-    parser.add_argument("--lookahead-horizon", type=int, default=4, help="Tokens ahead the lookahead stage predicts (2..N).")
-    parser.add_argument("--lookahead-lr", type=float, default=1e-3, help="Lookahead stage peak learning rate.")
+    parser.add_argument("--lookahead-round", action="append", type=lookahead_round, dest="lookahead_rounds",
+                        metavar="STEPS:LR:WEIGHT", default=None,
+                        help="A third-stage round (repeatable, in order): multi-token heads on edit answers. "
+                             f"Default: {' '.join(DEFAULT_LOOKAHEAD)}. Give 0:0:0 to skip the stage.")
+    parser.add_argument("--lookahead-horizon", type=int, default=4, help="Tokens ahead the lookahead heads predict (2..N).")
+    parser.add_argument("--draft-layers", type=int, default=2, help="train-draft --layers (the last one sees only the block).")
     parser.add_argument("--skip-target", action="store_true", help="Reuse work/target: skip the first target stage.")
     parser.add_argument("--skip-copy", action="store_true", help="Skip the second (copy-focused) target stage.")
     parser.add_argument("--skip-draft", action="store_true", help="Stop after the target.")
     parser.add_argument("--install", action="store_true", help="Copy the result into dflash_mlx/demo/.")
     args = parser.parse_args()
-    if args.lookahead_steps and args.lookahead_horizon < 2:
+    if args.lookahead_horizon < 2:
         parser.error(f"--lookahead-horizon {args.lookahead_horizon}: must be at least 2 (the token after next)")
+    rounds = [r for r in (args.lookahead_rounds or [lookahead_round(r) for r in DEFAULT_LOOKAHEAD]) if r[0] > 0]
     work = args.work
     corpus, target_dir, draft_dir = work / "corpus.jsonl", work / "target", work / "draft"
     info_file = work / "build.json"
@@ -516,21 +550,25 @@ def main():
         info["copy_stage"] = dict(rounds=args.copy_rounds, steps=args.copy_steps, lr=args.copy_lr, losses=" | ".join(curves),
                                   final_loss=sum(losses[-50:]) / len(losses[-50:]), minutes=(time.time() - started) / 60)
         info_file.write_text(json.dumps(info, indent=2))
-    if args.lookahead_steps:
-        started = time.time()
-        per_offset = train_lookahead_stage(corpus, target_dir, args.lookahead_steps, args.batch, args.seq_len,
-                                           args.lookahead_lr, args.seed + 10, args.lookahead_horizon)
-        tail = per_offset[-50:]
-        info["lookahead_stage"] = dict(steps=args.lookahead_steps, horizon=args.lookahead_horizon, lr=args.lookahead_lr,
-                                       final_losses=[sum(col) / len(col) for col in zip(*tail)],
-                                       minutes=(time.time() - started) / 60)
-        info_file.write_text(json.dumps(info, indent=2))
+    if rounds:
+        info["lookahead_rounds"] = []
+        for i, (steps, lr, weight) in enumerate(rounds):
+            started = time.time()
+            per_offset = train_lookahead_stage(corpus, target_dir, steps, args.batch, args.seq_len, lr, args.seed + 10 + i,
+                                               args.lookahead_horizon, weight)
+            tail = per_offset[-50:]
+            info["lookahead_rounds"].append(dict(steps=steps, lr=lr, weight=weight, horizon=args.lookahead_horizon,
+                                                 final_losses=[sum(col) / len(col) for col in zip(*tail)],
+                                                 minutes=(time.time() - started) / 60))
+            info_file.write_text(json.dumps(info, indent=2))
     if args.skip_draft:
         return
     started = time.time()
-    losses = train_draft(target_dir, corpus, draft_dir, args)
+    edits = write_edit_corpus(corpus, work / "edit_corpus.jsonl")
+    losses = train_draft(target_dir, work / "edit_corpus.jsonl", draft_dir, args)
     info["draft"] = dict(blas=args.blas or "bundled reference BLAS", steps=args.draft_steps, block_size=args.block_size, seq_len=args.draft_seq_len,
-                         anchors=args.draft_anchors, lr=args.draft_lr, losses=curve(losses),
+                         anchors=args.draft_anchors, lr=args.draft_lr, layers=args.draft_layers, recipe=" ".join(DRAFT_RECIPE),
+                         edit_chats=edits, losses=curve(losses),
                          final_loss=sum(losses[-50:]) / len(losses[-50:]), minutes=(time.time() - started) / 60)
     info_file.write_text(json.dumps(info, indent=2))
     shutil.rmtree(draft_dir / "training_state", ignore_errors=True)

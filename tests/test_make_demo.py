@@ -69,7 +69,34 @@ def test_lookahead_stage_trains_every_offset_and_saves_a_plain_target(build, tmp
     assert model.target.args.num_hidden_layers == 4
 
 
-def test_bad_horizon_is_refused():
-    done = subprocess.run([sys.executable, "examples/make_demo.py", "--work", "/tmp/unused", "--lookahead-steps", "5",
-                           "--lookahead-horizon", "1"], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert done.returncode == 2 and "--lookahead-horizon 1" in done.stderr
+@pytest.mark.parametrize("flags, message", [
+    (["--lookahead-horizon", "1"], "--lookahead-horizon 1"),
+    (["--lookahead-round", "300:1e-3"], "'300:1e-3': expected STEPS:LR:WEIGHT"),
+    (["--lookahead-round", "300:0:1"], "'300:0:1': steps must be >= 0, lr > 0"),
+])
+def test_bad_lookahead_options_are_refused(flags, message, tmp_path):
+    done = subprocess.run([sys.executable, "examples/make_demo.py", "--work", str(tmp_path / "w"), *flags],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert not (tmp_path / "w").exists()  # refused before any work
+
+
+def test_lookahead_rounds_parse_and_weight_the_heads(build, tmp_path):
+    from safetensors.numpy import load_file
+
+    assert make_demo.lookahead_round("300:5e-4:0.3") == (300, 5e-4, 0.3)
+    corpus, target_dir = build
+    trained = {}
+    for name, stage in {
+        "copy": lambda d: make_demo.train_copy_stage(corpus, d, steps=2, batch=2, seq_len=4096, lr=1e-3, seed=0),
+        "weight 0": lambda d: make_demo.train_lookahead_stage(corpus, d, 2, 2, 4096, 1e-3, 0, horizon=3, weight=0.0),
+        "weight 1": lambda d: make_demo.train_lookahead_stage(corpus, d, 2, 2, 4096, 1e-3, 0, horizon=3, weight=1.0),
+    }.items():
+        work = tmp_path / name.replace(" ", "")
+        subprocess.run(["cp", "-r", str(target_dir), str(work)], check=True)
+        stage(work)
+        trained[name] = load_file(str(work / "model.safetensors"))
+    # Weight 0 leaves only the next-token loss: the same update as the copy stage; weight 1 moves it.
+    differs = lambda a, b: max(float(np.abs(a[k] - b[k]).max()) for k in a)  # noqa: E731
+    assert differs(trained["weight 0"], trained["copy"]) < 1e-5
+    assert differs(trained["weight 1"], trained["copy"]) > 1e-4
