@@ -390,11 +390,12 @@ def train_lookahead_stage(corpus: Path, target_dir: Path, steps: int, batch: int
 
 # ----------------------------------------------------------------------------- draft
 
-def write_edit_corpus(corpus: Path, out: Path) -> int:
-    """The edit chats alone: the draft trains where the demo is meant to draft (copying a file)."""
+def write_edit_corpus(corpus: Path, out: Path, limit: int, seed: int) -> int:
+    """A shuffled sample of the edit chats: the draft trains where the demo is meant to draft."""
     lines = [line for line in corpus.open() if is_edit(json.loads(line)["text"])]
-    out.write_text("".join(lines))
-    return len(lines)
+    random.Random(seed).shuffle(lines)
+    out.write_text("".join(lines[:limit]))
+    return min(limit, len(lines))
 
 
 def train_draft(target_dir: Path, corpus: Path, draft_dir: Path, args) -> list:
@@ -517,6 +518,7 @@ def main():
                              f"Default: {' '.join(DEFAULT_LOOKAHEAD)}. Give 0:0:0 to skip the stage.")
     parser.add_argument("--lookahead-horizon", type=int, default=4, help="Tokens ahead the lookahead heads predict (2..N).")
     parser.add_argument("--draft-layers", type=int, default=2, help="train-draft --layers (the last one sees only the block).")
+    parser.add_argument("--draft-chats", type=int, default=3000, help="Edit chats (a shuffled sample) the draft trains on.")
     parser.add_argument("--skip-target", action="store_true", help="Reuse work/target: skip the first target stage.")
     parser.add_argument("--skip-copy", action="store_true", help="Skip the second (copy-focused) target stage.")
     parser.add_argument("--skip-draft", action="store_true", help="Stop after the target.")
@@ -564,7 +566,7 @@ def main():
     if args.skip_draft:
         return
     started = time.time()
-    edits = write_edit_corpus(corpus, work / "edit_corpus.jsonl")
+    edits = write_edit_corpus(corpus, work / "edit_corpus.jsonl", args.draft_chats, args.seed + 1)
     losses = train_draft(target_dir, work / "edit_corpus.jsonl", draft_dir, args)
     info["draft"] = dict(blas=args.blas or "bundled reference BLAS", steps=args.draft_steps, block_size=args.block_size, seq_len=args.draft_seq_len,
                          anchors=args.draft_anchors, lr=args.draft_lr, layers=args.draft_layers, recipe=" ".join(DRAFT_RECIPE),
