@@ -224,9 +224,19 @@ def tape_replay_chunked(state, k, g, delta, steps: int):
     return state
 
 
-def use_chunked(k: mx.array) -> bool:
+def use_chunked(steps: int) -> bool:
     """Multi-token calls off Metal take the chunked form (``reference`` forces the loop)."""
-    return os.environ.get(BACKEND_ENV, "auto") != "reference" and k.shape[1] > 1 and mx.default_device() == mx.cpu
+    return os.environ.get(BACKEND_ENV, "auto") != "reference" and steps > 1 and mx.default_device() == mx.cpu
+
+
+@functools.partial(mx.compile)
+def _replay_prefix(state, k, g, delta, steps: int, chunked: bool):
+    """A rollback's replay, slicing included, as one compiled graph per (steps, form): a
+    handful of tiny operations per layer otherwise, each paying a dispatch on CPU."""
+    k, g, delta = k[:, :steps], g[:, :steps], delta[:, :steps]
+    if chunked:
+        return _replay_chunk(k, g, delta, state)
+    return tape_replay_reference(state, k, g, delta, steps)
 
 
 def gated_delta(
@@ -245,7 +255,7 @@ def gated_delta(
     if use_metal(k, v):
         y, state, delta = gated_delta_metal(q, k, v, g, beta, state)
         return y.astype(q.dtype), state, delta
-    if use_chunked(k):
+    if use_chunked(k.shape[1]):
         return gated_delta_chunked(q, k, v, g, beta, state)
     return gated_delta_reference(q, k, v, g, beta, state)
 
@@ -258,6 +268,8 @@ def tape_replay(
         return state
     if use_metal(k, delta):
         return tape_replay_metal(state, k, g, delta, steps)
-    if use_chunked(k[:, :steps]):
+    if steps <= CHUNK:  # a rollback after a verify block
+        return _replay_prefix(state, k, g, delta, steps, use_chunked(steps))
+    if use_chunked(steps):
         return tape_replay_chunked(state, k, g, delta, steps)
     return tape_replay_reference(state, k, g, delta, steps)
