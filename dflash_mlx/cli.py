@@ -110,7 +110,7 @@ def chat(
 def generate(
     model: Model = None,
     draft: Draft = None,
-    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="The prompt; read from stdin when omitted.")] = None,
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="The prompt; read from stdin when omitted (its final newline dropped).")] = None,
     draft_quant: DraftQuant = "none",
     block_tokens: BlockTokens = None,
     max_tokens: MaxTokens = 256,
@@ -129,8 +129,8 @@ def generate(
     from . import api
 
     sampling = _sampling(temp, top_p, top_k, seed)
-    if prompt is None:
-        prompt = sys.stdin.read()
+    if prompt is None:  # a file or `echo` ends with a newline that is not part of the request
+        prompt = sys.stdin.read().removesuffix("\n")
     loaded, tokenizer = _load(model, draft, draft_quant)
     _check_block_tokens((loaded, tokenizer), block_tokens)
     use_template = chat_template and tokenizer.chat_template is not None

@@ -1,6 +1,6 @@
 """Rebuild the demo pair that ships as ``--model demo``, from scratch, offline.
 
-    python examples/make_demo.py --work /tmp/demo-build            # about 80 minutes on 2 CPU cores
+    python examples/make_demo.py --work /tmp/demo-build            # about 2.5 hours on 2 CPU cores
     python examples/make_demo.py --work /tmp/demo-build --install  # then copy it into the package
 
 1. Corpus: the Python standard library of the running interpreter (no download). Functions and
@@ -465,8 +465,8 @@ the edit examples alone, one per row, with the loss on the answers only: {k["rou
 {k["steps"]} steps (warmup, cosine decay, peak lr {k["lr"]}), {k["minutes"]:.0f} min. Answer loss
 (per round, at step): {k["losses"]}; final {k["final_loss"]:.2f}.
 The price: after that stage it copies well but no longer writes fresh code (asked for a function it
-soon repeats itself). A third stage on the whole mix (200 steps, lr 1e-3) brought fresh code back only
-by breaking the copying, so the shipped target is the one after stage 2.
+repeats itself or writes blank lines). A stage on the whole mix (200 steps, lr 1e-3) brought fresh
+code back only by breaking the copying, so it is not part of the build.
 
 {lookahead_paragraph(info)}## Draft
 DFlash draft, {d.get("layers", 1)} decoder layers, block size {d["block_size"]}, reading target layers {DRAFT_TAPS},

@@ -23,12 +23,16 @@ def test_readme_first_command_after_install_is_the_demo_and_runs_offline():
     quick_start = readme[readme.index("## Quick start"):]
     first_block = quick_start[quick_start.index("```bash") + len("```bash"):].strip().splitlines()[0]
     assert first_block.startswith("dflash-mlx generate --model demo"), first_block
-    args = first_block.split(" ", 1)[1]
     import shlex
 
-    done = run(sys.executable, "-m", "dflash_mlx.cli", *shlex.split(args), "--max-tokens", "16", offline=True)
+    command, _, stdin_file = first_block.partition(" < ")
+    prompt = (ROOT / stdin_file.strip()).read_text() if stdin_file else None
+    args = shlex.split(command)[1:]
+    done = run(sys.executable, "-m", "dflash_mlx.cli", *args, "--max-tokens", "24", input=prompt, offline=True)
     assert done.returncode == 0, done.stderr
     assert "tokens/cycle" in done.stderr
+    if prompt is not None:  # the demo's edit request: its answer starts copying the file
+        assert "import json" in done.stdout, done.stdout
 
 
 def test_readme_quick_start_runs_as_written(tmp_path):
