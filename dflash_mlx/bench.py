@@ -96,6 +96,31 @@ def measure(
     )
 
 
+def compute_backend() -> Dict[str, str]:
+    """What produced the numbers: MLX's device and, on Linux, the BLAS libraries the process loaded
+    (MLX's Linux CPU wheel bundles the reference BLAS; a preloaded OpenBLAS changes the speedups)."""
+    import platform
+
+    import mlx.core as mx
+
+    info = {"device": str(mx.default_device()), "mlx": mx.__version__, "platform": platform.platform()}
+    maps = Path("/proc/self/maps")
+    if maps.exists():
+        loaded = {Path(line.split()[-1]).name for line in maps.read_text().splitlines() if "blas" in line.lower() and "/" in line}
+        info["blas"] = ", ".join(sorted(loaded)) or "none loaded"
+    return info
+
+
+def reference_blas_only(backend: Dict[str, str]) -> bool:
+    """On a Linux CPU with only the bundled reference BLAS: verify blocks pay their rows in full.
+
+    numpy's own OpenBLAS (``libscipy_openblas*``) does not count: its symbols are prefixed, so
+    MLX cannot use it."""
+    libs = [name.strip().lower() for name in backend.get("blas", "").split(",") if name.strip()]
+    optimised = any(name.startswith(("libopenblas", "libmkl", "libblis")) for name in libs)
+    return "cpu" in backend["device"].lower() and bool(libs) and not optimised
+
+
 def load_prompt_file(path: Path) -> List[str]:
     """A ``.jsonl`` file holds one ``{"prompt": ...}`` per line; any other file is one prompt."""
     text = path.read_text()

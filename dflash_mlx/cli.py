@@ -248,9 +248,16 @@ def bench(
             "n/a" if temp > 0 else ("yes" if r["identical"] else "NO"),
         )
     Console(width=None if sys.stdout.isatty() else 130).print(table)
+    backend = bench_lib.compute_backend()
+    if bench_lib.reference_blas_only(backend):
+        console.print(
+            "[dim]MLX ran on the CPU with the reference BLAS its wheel bundles: a verify block "
+            "pays every row's products in full. An optimised BLAS makes that cheap, e.g. "
+            "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 (see the README).[/dim]"
+        )
     meta = dict(
         target=str(loaded.target_path), draft=str(loaded.draft_path), draft_quant=draft_quant,
-        max_tokens=max_tokens, repeats=repeats, date=time.strftime("%Y-%m-%d %H:%M:%S"), **sampling,
+        max_tokens=max_tokens, repeats=repeats, date=time.strftime("%Y-%m-%d %H:%M:%S"), backend=backend, **sampling,
     )
     if out is not None:
         bench_lib.save_json(out, rows, runs, meta)

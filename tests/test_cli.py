@@ -146,6 +146,21 @@ def test_bench_writes_json_and_png(pair, tmp_path):
     assert len(results["runs"]) == 2 * 2 * 3  # 2 prompts per suite x (baseline + 2 block sizes)
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "dflash-mlx bench" in done.stdout
+    # The numbers say what produced them: here MLX's CPU backend with its bundled reference BLAS.
+    backend = results["meta"]["backend"]
+    assert "cpu" in backend["device"].lower() and "blas" in backend["blas"].lower()
+    assert "reference BLAS" in done.stderr
+
+
+def test_bench_notices_an_optimised_blas():
+    from dflash_mlx.bench import reference_blas_only
+
+    assert reference_blas_only({"device": "Device(cpu, 0)", "blas": "libblas-bd8a282c.so.3.10.0"})
+    assert not reference_blas_only({"device": "Device(cpu, 0)", "blas": "libblas-bd8a282c.so.3.10.0, libopenblasp-r0.3.21.so"})
+    # numpy's bundled OpenBLAS has prefixed symbols: MLX still uses the reference one.
+    assert reference_blas_only({"device": "Device(cpu, 0)", "blas": "libblas-bd8a282c.so.3.10.0, libscipy_openblas64_-32a4.so"})
+    assert not reference_blas_only({"device": "Device(gpu, 0)", "blas": "libblas.so.3"})
+    assert not reference_blas_only({"device": "Device(cpu, 0)"})  # not Linux: no /proc/self/maps to read
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "bench"])
