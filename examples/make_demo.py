@@ -1,6 +1,6 @@
 """Rebuild the demo pair that ships as ``--model demo``, from scratch, offline.
 
-    python examples/make_demo.py --work /tmp/demo-build            # about 2.5 hours on 2 CPU cores
+    python examples/make_demo.py --work /tmp/demo-build            # about 2 h 45 min on 2 CPU cores
     python examples/make_demo.py --work /tmp/demo-build --install  # then copy it into the package
 
 1. Corpus: the Python standard library of the running interpreter (no download). Functions and
