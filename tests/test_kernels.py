@@ -113,8 +113,12 @@ def test_the_harness_catches_broken_kernels(mutation):
     assert any(caught), f"{mutation} went unnoticed"
 
 
-def test_model_rollback_goes_through_kernels(target, draft, monkeypatch):
-    """The target's verify pass and rollback call kernels.py, and the output stays lossless."""
+def test_model_rollback_goes_through_kernels(hf_target_dir, draft, monkeypatch):
+    """The target's verify pass and rollback call kernels.py, and the output stays lossless.
+
+    A freshly loaded target: its compiled layers call the recurrence only while they trace, once
+    per shape, so a model that already ran in this process would not call it again."""
+    from dflash_mlx.loading import load_target
     from dflash_mlx.sampling import Sampler
     from dflash_mlx.speculative import speculative, target_only
     from tests.test_lossless import take
@@ -128,6 +132,7 @@ def test_model_rollback_goes_through_kernels(target, draft, monkeypatch):
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(kernels, name, counted)
+    target, _ = load_target(hf_target_dir)
     prompt = mx.array([3, 14, 15, 92, 65, 35], dtype=mx.int32)
     expected, _ = take(target_only(target, prompt, Sampler()), 20)
     got, _ = take(speculative(target, draft, prompt, Sampler(), block_tokens=4), 20)
