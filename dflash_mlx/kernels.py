@@ -216,8 +216,6 @@ def gated_delta_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
 
 def tape_replay_chunked(state, k, g, delta, steps: int):
     """Replay as one weighted sum per chunk (the algebra of ``_state_after``)."""
-    if steps == k.shape[1] <= CHUNK:
-        return _replay_chunk(k, g, delta, state)
     for s in range(0, steps, CHUNK):
         e = min(s + CHUNK, steps)
         state = _replay_chunk(k[:, s:e], g[:, s:e], delta[:, s:e], state)
@@ -229,14 +227,11 @@ def use_chunked(steps: int) -> bool:
     return os.environ.get(BACKEND_ENV, "auto") != "reference" and steps > 1 and mx.default_device() == mx.cpu
 
 
-@functools.partial(mx.compile)
+@mx.compile
 def _replay_prefix(state, k, g, delta, steps: int, chunked: bool):
     """A rollback's replay, slicing included, as one compiled graph per (steps, form): a
     handful of tiny operations per layer otherwise, each paying a dispatch on CPU."""
-    k, g, delta = k[:, :steps], g[:, :steps], delta[:, :steps]
-    if chunked:
-        return _replay_chunk(k, g, delta, state)
-    return tape_replay_reference(state, k, g, delta, steps)
+    return (tape_replay_chunked if chunked else tape_replay_reference)(state, k, g, delta, steps)
 
 
 def gated_delta(

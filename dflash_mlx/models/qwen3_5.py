@@ -110,6 +110,9 @@ def _decay(A_log, a, dt_bias):
 
 
 class GatedDeltaNet(nn.Module):
+    """Called by its decoder layer as ``states`` -> ``mix`` (pure, compiled with the layer) ->
+    ``update_cache``, so that the cache bookkeeping stays outside the compiled graph."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.num_k_heads = args.linear_num_key_heads
@@ -132,12 +135,6 @@ class GatedDeltaNet(nn.Module):
         self.A_log = mx.zeros((self.num_v_heads,))
         self.norm = GatedRMSNorm(self.head_v_dim, args.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, args.hidden_size, bias=False)
-
-    def __call__(self, x, cache: Optional[GatedDeltaCache] = None, record_tape: bool = False):
-        conv_state, start_state = self.states(x, cache)
-        out, *carry = self.mix(x, conv_state, start_state)
-        self.update_cache(cache, start_state, carry, record_tape)
-        return out
 
     def states(self, x, cache: Optional[GatedDeltaCache]):
         """The conv and recurrent states a call starts from (zeros for a fresh cache)."""
@@ -187,7 +184,10 @@ class GatedDeltaNet(nn.Module):
 
 
 class Attention(nn.Module):
-    """Full attention whose ``q_proj`` also emits a per-channel sigmoid output gate."""
+    """Full attention whose ``q_proj`` also emits a per-channel sigmoid output gate.
+
+    Called by its decoder layer as ``project`` and ``output`` (compiled) around ``attend``
+    (the KV cache, whose key count grows every step)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -205,10 +205,6 @@ class Attention(nn.Module):
         self.rope = nn.RoPE(
             int(self.head_dim * args.partial_rotary_factor), traditional=False, base=args.rope_theta
         )
-
-    def __call__(self, x, cache: Optional[KVCache] = None):
-        q, k, v, gate = self.project(x, 0 if cache is None else cache.offset)
-        return self.output(self.attend(q, k, v, cache), gate)
 
     def project(self, x, offset):
         """Rotated queries, keys, values [B, H, T, D] and the output gate [B, T, H*D]."""
