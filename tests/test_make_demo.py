@@ -100,3 +100,24 @@ def test_lookahead_rounds_parse_and_weight_the_heads(build, tmp_path):
     differs = lambda a, b: max(float(np.abs(a[k] - b[k]).max()) for k in a)  # noqa: E731
     assert differs(trained["weight 0"], trained["copy"]) < 1e-5
     assert differs(trained["weight 1"], trained["copy"]) > 1e-4
+
+
+def test_install_cast_keeps_a_loadable_checkpoint_in_the_new_dtype(build, tmp_path):
+    import mlx.core as mx
+    from transformers import Qwen3_5ForCausalLM
+
+    _, target_dir = build
+    work = tmp_path / "target"
+    subprocess.run(["cp", "-r", str(target_dir), str(work)], check=True)
+    before, _ = load(str(work))
+    ids = mx.array([[5, 9, 200, 31, 7]])
+    expected = before.target(ids).astype(mx.float32)
+    make_demo.cast_checkpoint(work, "bfloat16")
+    assert json.loads((work / "config.json").read_text())["dtype"] == "bfloat16"
+    assert not list(work.glob("*.partial.*"))
+    after, _ = load(str(work))
+    assert after.target.embed_tokens.weight.dtype == mx.bfloat16
+    got = after.target(ids).astype(mx.float32)
+    assert float(mx.abs(got - expected).max()) < 0.1 * float(mx.abs(expected).max())  # rounding, not damage
+    hf = Qwen3_5ForCausalLM.from_pretrained(str(work))  # and transformers still reads it
+    assert str(hf.dtype) == "torch.bfloat16"
