@@ -598,9 +598,9 @@ def main():
                          anchors=args.draft_anchors, lr=args.draft_lr, layers=args.draft_layers, recipe=" ".join(DRAFT_RECIPE),
                          edit_chats=edits, losses=curve(losses),
                          final_loss=sum(losses[-50:]) / len(losses[-50:]), minutes=(time.time() - started) / 60)
+    info["dtype"] = args.dtype  # of the installed pair
     info_file.write_text(json.dumps(info, indent=2))
     shutil.rmtree(draft_dir / "training_state", ignore_errors=True)
-    info["dtype"] = args.dtype
     (work / "README.md").write_text(model_card(info))
     if args.install:
         from dflash_mlx.defaults import DEMO_DIR
