@@ -96,6 +96,9 @@ def measure(
     )
 
 
+NO_BLAS_LOADED = "none loaded"
+
+
 def compute_backend() -> Dict[str, str]:
     """What produced the numbers: MLX's device and, on Linux, the BLAS libraries the process loaded
     (MLX's Linux CPU wheel bundles the reference BLAS; a preloaded OpenBLAS changes the speedups)."""
@@ -107,7 +110,7 @@ def compute_backend() -> Dict[str, str]:
     maps = Path("/proc/self/maps")
     if maps.exists():
         loaded = {Path(line.split()[-1]).name for line in maps.read_text().splitlines() if "blas" in line.lower() and "/" in line}
-        info["blas"] = ", ".join(sorted(loaded)) or "none loaded"
+        info["blas"] = ", ".join(sorted(loaded)) or NO_BLAS_LOADED
     return info
 
 
@@ -116,7 +119,7 @@ def reference_blas_only(backend: Dict[str, str]) -> bool:
 
     numpy's own OpenBLAS (``libscipy_openblas*``) does not count: its symbols are prefixed, so
     MLX cannot use it."""
-    libs = [name.strip().lower() for name in backend.get("blas", "").split(",") if name.strip()]
+    libs = [name.strip().lower() for name in backend.get("blas", "").split(",") if name.strip() not in ("", NO_BLAS_LOADED)]
     optimised = any(name.startswith(("libopenblas", "libmkl", "libblis")) for name in libs)
     return "cpu" in backend["device"].lower() and bool(libs) and not optimised
 

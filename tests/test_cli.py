@@ -161,6 +161,7 @@ def test_bench_notices_an_optimised_blas():
     assert reference_blas_only({"device": "Device(cpu, 0)", "blas": "libblas-bd8a282c.so.3.10.0, libscipy_openblas64_-32a4.so"})
     assert not reference_blas_only({"device": "Device(gpu, 0)", "blas": "libblas.so.3"})
     assert not reference_blas_only({"device": "Device(cpu, 0)"})  # not Linux: no /proc/self/maps to read
+    assert not reference_blas_only({"device": "Device(cpu, 0)", "blas": "none loaded"})  # e.g. a static build
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "bench"])
