@@ -45,9 +45,8 @@ def test_the_demo_target_copies_the_edit_file_and_speculation_is_lossless(demo):
 
 # Measured once with the shipped (bfloat16) pair (greedy, edit prompt 0, 160 tokens, block 4): 3.31
 # tokens per cycle (112 of 144 drafted tokens accepted in 48 cycles; the float32 pair it was cast
-# from: 3.24). The floor leaves room for rounding
-# differences between machines; a draft that does not draft gives about 1.0 (the previous demo
-# draft: 1.03).
+# from: 3.24). The floor leaves room for rounding differences between machines; a draft that does
+# not draft gives about 1.0 (the previous demo draft: 1.03).
 TOKENS_PER_CYCLE_MEASURED = 3.31
 TOKENS_PER_CYCLE_FLOOR = 2.6
 
