@@ -30,7 +30,8 @@ class GatedDeltaTape:
 class GatedDeltaCache:
     """Conv state and recurrent state of one Gated DeltaNet layer."""
 
-    def __init__(self):
+    def __init__(self, recurrence: Optional[kernels.Recurrence] = None):
+        self.recurrence = recurrence or kernels.Recurrence.for_this_process()
         self.conv_state: Optional[mx.array] = None
         self.state: Optional[mx.array] = None
         self.offset = 0
@@ -47,7 +48,7 @@ class GatedDeltaCache:
             return
         if not 0 <= keep < steps:
             raise ValueError(f"keep={keep} outside 0..{steps}")
-        self.state = kernels.tape_replay(tape.start_state, tape.k, tape.g, tape.delta, keep)
+        self.state = self.recurrence.tape_replay(tape.start_state, tape.k, tape.g, tape.delta, keep)
         n_conv = tape.conv_input.shape[1] - steps
         self.conv_state = tape.conv_input[:, keep : keep + n_conv]
         self.offset -= steps - keep

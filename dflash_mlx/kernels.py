@@ -25,14 +25,22 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
+from dataclasses import dataclass
 from importlib import resources
-from typing import Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
 KERNEL_NAMES = ("gated_delta_tape", "tape_replay")
 # Set to "reference" to run the pure-MLX functions even where Metal is available.
 BACKEND_ENV = "DFLASH_MLX_KERNELS"
+# Input and output names of each kernel, as its body uses them.
+KERNEL_IO = {
+    "gated_delta_tape": (("q", "k", "v", "g", "beta", "state_in", "T"), ("y", "state_out", "delta")),
+    "tape_replay": (("state_in", "k", "g", "delta", "T", "steps"), ("state_out",)),
+}
+THREADGROUP = (32, 4, 1)  # one simdgroup per value row, four rows of one head per threadgroup
 
 
 def kernel_source(name: str) -> str:
@@ -40,64 +48,238 @@ def kernel_source(name: str) -> str:
     return resources.files("dflash_mlx.metal").joinpath(f"{name}.metal").read_text()
 
 
-@functools.lru_cache(maxsize=None)
-def _metal_kernel(name: str):
-    """Build each kernel once per process."""
-    inputs = {
-        "gated_delta_tape": ["q", "k", "v", "g", "beta", "state_in", "T"],
-        "tape_replay": ["state_in", "k", "g", "delta", "T", "steps"],
-    }[name]
-    outputs = {"gated_delta_tape": ["y", "state_out", "delta"], "tape_replay": ["state_out"]}[name]
-    return mx.fast.metal_kernel(name=name, input_names=inputs, output_names=outputs, source=kernel_source(name))
+def metal_supports(k_head_dim: int, k_heads: int, v_head_dim: int, v_heads: int) -> bool:
+    """Head shapes the kernels are written for (see the kernels' headers)."""
+    return k_head_dim % 32 == 0 and v_head_dim % 4 == 0 and v_heads % k_heads == 0
 
 
-def recurrence_mode(k_head_dim: int, k_heads: int, v_head_dim: int, v_heads: int) -> str:
-    """What ``gated_delta`` runs for these head shapes now: ``"metal"`` (the kernels, on an Apple
-    GPU, for the shapes they support, unless switched off) or the pure-MLX choice
-    (``"reference"``, or ``"mlx-cpu"`` / ``"mlx-gpu"``: chunked on CPU for multi-token calls).
-    Callers that compile around the recurrence key their compiled graph on it."""
-    if os.environ.get(BACKEND_ENV, "auto") == "reference":
-        return "reference"
-    on_gpu = mx.default_device() == mx.gpu
-    if on_gpu and mx.metal.is_available() and k_head_dim % 32 == 0 and v_head_dim % 4 == 0 and v_heads % k_heads == 0:
-        return "metal"
-    return "mlx-gpu" if on_gpu else "mlx-cpu"
+@dataclass(frozen=True)
+class Launch:
+    """One kernel call, exactly as handed to ``mx.fast.metal_kernel``: built in one place so that
+    the emulator's generated signature comes from the very arguments the engine passes."""
+
+    name: str
+    inputs: tuple
+    template: tuple
+    grid: tuple
+    output_shapes: tuple
+    output_dtypes: tuple
+    threadgroup: tuple = THREADGROUP
 
 
-def use_metal(k: mx.array, v: mx.array) -> bool:
-    return recurrence_mode(k.shape[-1], k.shape[-2], v.shape[-1], v.shape[-2]) == "metal"
-
-
-def _template(k: mx.array, v: mx.array):
+def _template(k: mx.array, v: mx.array) -> tuple:
     _, _, Hk, Dk = k.shape
     Hv, Dv = v.shape[-2:]
-    return [("InT", k.dtype), ("StT", mx.float32), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)]
+    return (("InT", k.dtype), ("StT", mx.float32), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv))
 
 
-def gated_delta_metal(q, k, v, g, beta, state):
+def gated_delta_launch(q, k, v, g, beta, state) -> Launch:
+    """Inputs cast to the dtypes the body computes in: the kernel's ``InT`` is ``k``'s dtype."""
     B, T, _, _ = k.shape
     Hv, Dv = v.shape[-2:]
-    return _metal_kernel("gated_delta_tape")(
-        inputs=[q, k, v.astype(k.dtype), g.astype(mx.float32), beta.astype(k.dtype), state.astype(mx.float32), T],
-        template=_template(k, v),
-        grid=(32, Dv, B * Hv),
-        threadgroup=(32, 4, 1),
-        output_shapes=[(B, T, Hv, Dv), state.shape, (B, T, Hv, Dv)],
-        output_dtypes=[k.dtype, mx.float32, mx.float32],
+    dtype = k.dtype
+    return Launch(
+        "gated_delta_tape",
+        (q.astype(dtype), k, v.astype(dtype), g.astype(mx.float32), beta.astype(dtype), state.astype(mx.float32), T),
+        _template(k, v),
+        (32, Dv, B * Hv),
+        ((B, T, Hv, Dv), tuple(state.shape), (B, T, Hv, Dv)),
+        (dtype, mx.float32, mx.float32),
     )
 
 
-def tape_replay_metal(state, k, g, delta, steps):
+def tape_replay_launch(state, k, g, delta, steps: int) -> Launch:
     B, T, _, _ = k.shape
     Hv, Dv = delta.shape[-2:]
-    return _metal_kernel("tape_replay")(
-        inputs=[state.astype(mx.float32), k, g.astype(mx.float32), delta, T, steps],
-        template=_template(k, delta),
-        grid=(32, Dv, B * Hv),
-        threadgroup=(32, 4, 1),
-        output_shapes=[state.shape],
-        output_dtypes=[mx.float32],
-    )[0]
+    if not 0 <= steps <= T:
+        raise ValueError(f"steps={steps} outside 0..{T} (the tape's length)")
+    return Launch(
+        "tape_replay",
+        (state.astype(mx.float32), k, g.astype(mx.float32), delta.astype(mx.float32), T, steps),
+        _template(k, delta),
+        (32, Dv, B * Hv),
+        (tuple(state.shape),),
+        (mx.float32,),
+    )
+
+
+# Self-check: the tolerance of y against the reference by input dtype (one rounding step of it).
+_Y_TOLERANCE = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
+
+
+def _check_inputs(template: dict, T: int, dtype):
+    """A small random call for one specialization (B = 1): T = 1 passes inputs of under 8
+    elements the way MLX does (``constant`` address space), T = 8 the ``device`` way."""
+    Dk, Dv, Hk, Hv = template["Dk"], template["Dv"], template["Hk"], template["Hv"]
+    key = mx.random.key(T)
+    kq, kk, kv, kg, kb, ks = mx.random.split(key, 6)
+    q = (mx.random.normal((1, T, Hk, Dk), key=kq) * Dk**-0.5).astype(dtype)
+    k = (mx.random.normal((1, T, Hk, Dk), key=kk) * Dk**-0.5).astype(dtype)
+    v = mx.random.normal((1, T, Hv, Dv), key=kv).astype(dtype)
+    g = mx.random.uniform(0.3, 1.0, (1, T, Hv), key=kg)
+    beta = mx.random.uniform(0.0, 1.0, (1, T, Hv), key=kb).astype(dtype)
+    state = mx.random.normal((1, Hv, Dv, Dk), key=ks)
+    return q, k, v, g, beta, state
+
+
+def _close(a: mx.array, b: mx.array, tolerance: float) -> bool:
+    return bool(mx.allclose(a.astype(mx.float32), b.astype(mx.float32), atol=tolerance, rtol=tolerance).item())
+
+
+class MetalKernels:
+    """The Metal kernels as one process uses them.
+
+    Each kernel is built once by ``metal_kernel`` (``mx.fast.metal_kernel`` on a Mac; the
+    emulator's stand-in in the tests). The first time a specialization (template arguments and
+    input dtype) is used, it runs once on a small input against the pure-MLX reference; a compile
+    error or a mismatch makes that kernel fall back to the reference for the rest of the process,
+    with one warning. A broken kernel costs speed, never a crash or a wrong token.
+    """
+
+    def __init__(self, metal_kernel: Optional[Callable] = None, self_check: bool = True):
+        self._metal_kernel = metal_kernel or mx.fast.metal_kernel
+        self._self_check = self_check
+        self._built: Dict[str, Any] = {}
+        self.checks: Dict[tuple, Optional[str]] = {}  # specialization -> None (passed) or the failure
+
+    def run(self, launch: Launch) -> List[mx.array]:
+        if launch.name not in self._built:
+            input_names, output_names = KERNEL_IO[launch.name]
+            self._built[launch.name] = self._metal_kernel(
+                name=launch.name, input_names=list(input_names), output_names=list(output_names),
+                source=kernel_source(launch.name),
+            )
+        return self._built[launch.name](
+            inputs=list(launch.inputs), template=list(launch.template), grid=launch.grid,
+            threadgroup=launch.threadgroup, output_shapes=list(launch.output_shapes),
+            output_dtypes=list(launch.output_dtypes),
+        )
+
+    def usable(self, name: str, template: tuple) -> bool:
+        """Whether ``name`` may run for this specialization (self-checked on first use)."""
+        key = (name, template)
+        if key not in self.checks:
+            self.checks[key] = self._check(name, dict(template)) if self._self_check else None
+            if self.checks[key] is not None:
+                shapes = ", ".join(f"{k}={v}" for k, v in template if not isinstance(v, mx.Dtype))
+                warnings.warn(
+                    f"dflash-mlx: the Metal kernel {name} ({dict(template)['InT']}, {shapes}) failed its self-check "
+                    f"and is replaced by the pure-MLX reference for the rest of this process: {self.checks[key]}",
+                    RuntimeWarning, stacklevel=2,
+                )
+        return self.checks[key] is None
+
+    def _check(self, name: str, template: dict) -> Optional[str]:
+        """None if the kernel matches the reference on small inputs, else what went wrong."""
+        dtype = template["InT"]
+        try:
+            for T in (1, 8):
+                q, k, v, g, beta, state = _check_inputs(template, T, dtype)
+                want_y, want_state, want_delta = gated_delta_reference(q, k, v, g, beta, state)
+                if name == "gated_delta_tape":
+                    y, final, delta = self.run(gated_delta_launch(q, k, v, g, beta, state))
+                    mx.eval(y, final, delta)
+                    if not (_close(y, want_y, _Y_TOLERANCE[dtype]) and _close(final, want_state, 1e-4)
+                            and _close(delta, want_delta, 1e-4)):
+                        return f"its output differs from the reference (T={T})"
+                else:
+                    for steps in sorted({0, T // 2, T}):
+                        (got,) = self.run(tape_replay_launch(state, k, g, want_delta, steps))
+                        if not _close(got, tape_replay_reference(state, k, g, want_delta, steps), 1e-4):
+                            return f"its output differs from the reference (T={T}, steps={steps})"
+        except Exception as e:  # a compile error surfaces here, at the first evaluation
+            return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        return None
+
+    def gated_delta(self, q, k, v, g, beta, state):
+        """``(y, state, delta)`` from the kernel, or None where it is not usable."""
+        launch = gated_delta_launch(q, k, v, g, beta, state)
+        if not self.usable(launch.name, launch.template):
+            return None
+        y, state, delta = self.run(launch)
+        return y.astype(q.dtype), state, delta
+
+    def tape_replay(self, state, k, g, delta, steps: int):
+        launch = tape_replay_launch(state, k, g, delta, steps)
+        if not self.usable(launch.name, launch.template):
+            return None
+        return self.run(launch)[0]
+
+    def report(self) -> Dict[str, str]:
+        """Each checked specialization: ``"ok"`` or its failure (for ``dflash-mlx doctor``)."""
+        out = {}
+        for (name, template), failure in self.checks.items():
+            t = dict(template)
+            label = f"{name} {t['InT']} Dk={t['Dk']} Dv={t['Dv']} Hk={t['Hk']} Hv={t['Hv']}"
+            out[label] = "ok" if failure is None else failure
+        return out
+
+
+@functools.lru_cache(maxsize=None)
+def process_metal_kernels() -> MetalKernels:
+    """This process's Metal kernels: built and self-checked once, whoever loads a model."""
+    return MetalKernels()
+
+
+class Recurrence:
+    """How one model runs the Gated DeltaNet recurrence and its replay, decided at load.
+
+    ``metal``: the kernels (``MetalKernels``) for the shapes they support, the pure-MLX forms
+    otherwise and wherever a kernel failed its self-check; ``chunked``: multi-token calls take
+    the chunked form (off Metal, on the CPU); with neither, the step-by-step reference.
+    """
+
+    def __init__(self, metal: Optional[MetalKernels] = None, chunked: bool = False):
+        self.metal = metal
+        self.chunked = chunked
+
+    @classmethod
+    def for_this_process(cls) -> "Recurrence":
+        """The kernels on an Apple GPU, chunked on the CPU; ``DFLASH_MLX_KERNELS=reference``
+        forces the step-by-step reference everywhere."""
+        if os.environ.get(BACKEND_ENV, "auto") == "reference":
+            return cls()
+        on_gpu = mx.default_device() == mx.gpu
+        if on_gpu and mx.metal.is_available():
+            return cls(metal=process_metal_kernels())
+        return cls(chunked=not on_gpu)
+
+    def mode(self, k_head_dim: int, k_heads: int, v_head_dim: int, v_heads: int) -> str:
+        """``"metal"``, ``"chunked"`` or ``"reference"`` for these head shapes. Callers that
+        compile around the recurrence key their compiled graph on it (Metal runs uncompiled)."""
+        if self.metal is not None and metal_supports(k_head_dim, k_heads, v_head_dim, v_heads):
+            return "metal"
+        return "chunked" if self.chunked else "reference"
+
+    def gated_delta(self, q, k, v, g, beta, state=None):
+        """The recurrence over T steps; returns ``(y, final_state, delta_tape)``."""
+        if state is None:
+            B, _, _, Dk = k.shape
+            Hv, Dv = v.shape[-2:]
+            state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+        mode = self.mode(k.shape[-1], k.shape[-2], v.shape[-1], v.shape[-2])
+        if mode == "metal":
+            out = self.metal.gated_delta(q, k, v, g, beta, state)
+            if out is not None:
+                return out
+        if self.chunked and k.shape[1] > 1:
+            return gated_delta_chunked(q, k, v, g, beta, state)
+        return gated_delta_reference(q, k, v, g, beta, state)
+
+    def tape_replay(self, state, k, g, delta, steps: int):
+        """State after the first ``steps`` taped steps, starting from ``state``."""
+        if not 0 <= steps <= k.shape[1]:
+            raise ValueError(f"steps={steps} outside 0..{k.shape[1]} (the tape's length)")
+        if steps == 0:
+            return state
+        chunked = self.chunked and steps > 1
+        if self.mode(k.shape[-1], k.shape[-2], delta.shape[-1], delta.shape[-2]) == "metal":
+            out = self.metal.tape_replay(state, k, g, delta, steps)
+            if out is not None:
+                return out
+        if steps <= CHUNK:  # a rollback after a verify block
+            return _replay_prefix(state, k, g, delta, steps, chunked)
+        return (tape_replay_chunked if chunked else tape_replay_reference)(state, k, g, delta, steps)
 
 
 def _expand_heads(x: mx.array, hv: int) -> mx.array:
@@ -222,11 +404,6 @@ def tape_replay_chunked(state, k, g, delta, steps: int):
     return state
 
 
-def use_chunked(steps: int) -> bool:
-    """Multi-token calls off Metal take the chunked form (``reference`` forces the loop)."""
-    return os.environ.get(BACKEND_ENV, "auto") != "reference" and steps > 1 and mx.default_device() == mx.cpu
-
-
 @mx.compile
 def _replay_prefix(state, k, g, delta, steps: int, chunked: bool):
     """A rollback's replay, slicing included, as one compiled graph per (steps, form): a
@@ -234,37 +411,11 @@ def _replay_prefix(state, k, g, delta, steps: int, chunked: bool):
     return (tape_replay_chunked if chunked else tape_replay_reference)(state, k, g, delta, steps)
 
 
-def gated_delta(
-    q: mx.array,
-    k: mx.array,
-    v: mx.array,
-    g: mx.array,
-    beta: mx.array,
-    state: Optional[mx.array] = None,
-) -> Tuple[mx.array, mx.array, mx.array]:
-    """The recurrence over T steps; returns ``(y, final_state, delta_tape)``."""
-    if state is None:
-        B, _, _, Dk = k.shape
-        Hv, Dv = v.shape[-2:]
-        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
-    if use_metal(k, v):
-        y, state, delta = gated_delta_metal(q, k, v, g, beta, state)
-        return y.astype(q.dtype), state, delta
-    if use_chunked(k.shape[1]):
-        return gated_delta_chunked(q, k, v, g, beta, state)
-    return gated_delta_reference(q, k, v, g, beta, state)
+def gated_delta(q, k, v, g, beta, state=None):
+    """The recurrence as this process runs it now (``Recurrence.for_this_process``)."""
+    return Recurrence.for_this_process().gated_delta(q, k, v, g, beta, state)
 
 
-def tape_replay(
-    state: mx.array, k: mx.array, g: mx.array, delta: mx.array, steps: int
-) -> mx.array:
-    """State after the first ``steps`` taped steps, starting from ``state``."""
-    if steps == 0:
-        return state
-    if use_metal(k, delta):
-        return tape_replay_metal(state, k, g, delta, steps)
-    if steps <= CHUNK:  # a rollback after a verify block
-        return _replay_prefix(state, k, g, delta, steps, use_chunked(steps))
-    if use_chunked(steps):
-        return tape_replay_chunked(state, k, g, delta, steps)
-    return tape_replay_reference(state, k, g, delta, steps)
+def tape_replay(state, k, g, delta, steps: int):
+    """The replay as this process runs it now (``Recurrence.for_this_process``)."""
+    return Recurrence.for_this_process().tape_replay(state, k, g, delta, steps)

@@ -98,8 +98,10 @@ def quantize_from_config(model: nn.Module, quantization: Dict[str, Any], weights
     )
 
 
-def load_target(path: Path) -> Tuple[Any, Dict[str, Any]]:
-    """A Qwen3.5 target (``models.qwen3_5.Model``) and its config."""
+def load_target(path: Path, recurrence=None) -> Tuple[Any, Dict[str, Any]]:
+    """A Qwen3.5 target (``models.qwen3_5.Model``) and its config. ``recurrence``
+    (``kernels.Recurrence``) overrides how its Gated DeltaNet layers run; by default the kernels
+    on an Apple GPU, the chunked pure-MLX form on the CPU."""
     from .models import qwen3_5
 
     config = read_config(path)
@@ -111,6 +113,8 @@ def load_target(path: Path) -> Tuple[Any, Dict[str, Any]]:
     quantization = config.get("quantization") or (config.get("text_config") or {}).get("quantization")
     if quantization:
         quantize_from_config(model, quantization, weights)
+    if recurrence is not None:
+        model.use_recurrence(recurrence)
     return _load_weights(model, weights, path), config
 
 

@@ -1,8 +1,12 @@
 // Gated DeltaNet verify pass that also writes the rollback tape.
 //
-// Body for mx.fast.metal_kernel (MLX writes the signature).
-// Inputs:  q, k [B, T, Hk, Dk] (InT); v [B, T, Hv, Dv] (InT); g [B, T, Hv] (float);
-//          beta [B, T, Hv] (InT); state_in [B, Hv, Dv, Dk] (StT); T (int).
+// Body for mx.fast.metal_kernel (MLX writes the signature from the arrays passed: each input
+// is declared with its own dtype, in the `constant` address space when it has fewer than 8
+// elements and `device` otherwise; scalars are `constant` references). Input pointers are
+// therefore `auto`, and values are read through static_cast<float>, so that the body compiles
+// whatever address space and dtype MLX declares.
+// Inputs:  q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g [B, T, Hv]; beta [B, T, Hv] (kernels.py
+//          passes them in InT, g in float); state_in [B, Hv, Dv, Dk] (float); T (int).
 // Outputs: y [B, T, Hv, Dv] (InT); state_out [B, Hv, Dv, Dk] (StT); delta [B, T, Hv, Dv] (float).
 // Template: InT, StT, Dk (multiple of 32), Dv, Hk, Hv (multiple of Hk).
 // Grid (32, Dv, B*Hv), threadgroup (32, R, 1): one simdgroup per value row dv, lane l keeps
@@ -19,18 +23,18 @@ const uint dv_idx = thread_position_in_grid.y;
 const uint tid = thread_position_in_threadgroup.y * 32 + thread_position_in_threadgroup.x;
 const uint n_threads = threads_per_threadgroup.y * 32;
 
-const device InT* q_ = q + b_idx * T * Hk * Dk + hk_idx * Dk;
-const device InT* k_ = k + b_idx * T * Hk * Dk + hk_idx * Dk;
-const device InT* v_ = v + b_idx * T * Hv * Dv + hv_idx * Dv + dv_idx;
-const device InT* beta_ = beta + b_idx * T * Hv + hv_idx;
-const device float* g_ = g + b_idx * T * Hv + hv_idx;
+auto q_ = q + b_idx * T * Hk * Dk + hk_idx * Dk;
+auto k_ = k + b_idx * T * Hk * Dk + hk_idx * Dk;
+auto v_ = v + b_idx * T * Hv * Dv + hv_idx * Dv + dv_idx;
+auto beta_ = beta + b_idx * T * Hv + hv_idx;
+auto g_ = g + b_idx * T * Hv + hv_idx;
 device InT* y_ = y + b_idx * T * Hv * Dv + hv_idx * Dv + dv_idx;
 device float* delta_ = delta + b_idx * T * Hv * Dv + hv_idx * Dv + dv_idx;
 
 threadgroup float k_step[Dk];
 threadgroup float q_step[Dk];
 
-const device StT* i_state = state_in + (n * Dv + dv_idx) * Dk + n_per_t * lane;
+auto i_state = state_in + (n * Dv + dv_idx) * Dk + n_per_t * lane;
 float state[n_per_t];
 for (int i = 0; i < n_per_t; ++i) {
   state[i] = static_cast<float>(i_state[i]);
@@ -43,7 +47,7 @@ for (int t = 0; t < T; ++t) {
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
-  const float g_t = g_[t * Hv];
+  const float g_t = static_cast<float>(g_[t * Hv]);
   float kv = 0.0f;
   for (int i = 0; i < n_per_t; ++i) {
     state[i] = state[i] * g_t;

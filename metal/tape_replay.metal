@@ -2,9 +2,11 @@
 //   S = g_t * S + delta_t ⊗ k_t
 // No dot products and no reductions: every state element evolves on its own.
 //
-// Body for mx.fast.metal_kernel (MLX writes the signature).
-// Inputs:  state_in [B, Hv, Dv, Dk] (StT); k [B, T, Hk, Dk] (InT); g [B, T, Hv] (float);
-//          delta [B, T, Hv, Dv] (float); T (int, tape length); steps (int, 0..T).
+// Body for mx.fast.metal_kernel; input pointers are `auto` for the reasons given in
+// gated_delta_tape.metal (MLX picks each input's address space and dtype).
+// Inputs:  state_in [B, Hv, Dv, Dk] (float); k [B, T, Hk, Dk] (InT); g [B, T, Hv] (float);
+//          delta [B, T, Hv, Dv] (float); T (int, tape length); steps (int, 0..T; kernels.py
+//          refuses others, and the body never reads past the tape).
 // Outputs: state_out [B, Hv, Dv, Dk] (StT).
 // Template: InT, StT, Dk (multiple of 32), Dv, Hk, Hv.
 // Grid (32, Dv, B*Hv), threadgroup (32, R, 1), as the verify kernel.
@@ -17,19 +19,20 @@ const uint hk_idx = hv_idx / (Hv / Hk);
 const uint lane = thread_index_in_simdgroup;
 const uint dv_idx = thread_position_in_grid.y;
 
-const device InT* k_ = k + b_idx * T * Hk * Dk + hk_idx * Dk + n_per_t * lane;
-const device float* g_ = g + b_idx * T * Hv + hv_idx;
-const device float* delta_ = delta + b_idx * T * Hv * Dv + hv_idx * Dv + dv_idx;
+auto k_ = k + b_idx * T * Hk * Dk + hk_idx * Dk + n_per_t * lane;
+auto g_ = g + b_idx * T * Hv + hv_idx;
+auto delta_ = delta + b_idx * T * Hv * Dv + hv_idx * Dv + dv_idx;
+const int n_steps = steps < T ? steps : T;
 
-const device StT* i_state = state_in + (n * Dv + dv_idx) * Dk + n_per_t * lane;
+auto i_state = state_in + (n * Dv + dv_idx) * Dk + n_per_t * lane;
 float state[n_per_t];
 for (int i = 0; i < n_per_t; ++i) {
   state[i] = static_cast<float>(i_state[i]);
 }
 
-for (int t = 0; t < steps; ++t) {
-  const float g_t = g_[t * Hv];
-  const float d = delta_[t * Hv * Dv];
+for (int t = 0; t < n_steps; ++t) {
+  const float g_t = static_cast<float>(g_[t * Hv]);
+  const float d = static_cast<float>(delta_[t * Hv * Dv]);
   for (int i = 0; i < n_per_t; ++i) {
     state[i] = state[i] * g_t;
     state[i] = state[i] + static_cast<float>(k_[t * Hk * Dk + i]) * d;

@@ -1,7 +1,9 @@
-"""The Metal kernels, compiled unchanged as C++ and run on the CPU, against the pure-MLX references."""
+"""The Metal kernels, run through the emulated ``mx.fast.metal_kernel`` with the very arguments
+``kernels.py`` passes, against the pure-MLX references."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import mlx.core as mx
@@ -9,13 +11,25 @@ import numpy as np
 import pytest
 
 from dflash_mlx import kernels
-from tests.metal_emulation import HIGHEST_FIRST, LOWEST_FIRST, PARALLEL, EmulatedKernels
+from tests.metal_emulation import (
+    HIGHEST_FIRST,
+    LOWEST_FIRST,
+    PARALLEL,
+    EmulatedMetal,
+    GeneratedKernel,
+    MetalCompileError,
+    mutated_sources,
+    to_array,
+)
 
-# (Dk, Dv, Hk, Hv): Hv/Hk ratios 1, 2 and 4; Dk one and two elements per lane.
-SHAPES = [(32, 4, 2, 2), (64, 8, 2, 4), (32, 4, 1, 4)]
+# (Dk, Dv, Hk, Hv): Hv/Hk ratios 1, 2 and 4; Dk one and two elements per lane; the demo's heads.
+SHAPES = [(32, 4, 2, 2), (64, 8, 2, 4), (32, 4, 1, 4), (32, 16, 2, 4)]
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 # y is rounded to the input dtype by both sides; allow one rounding step of it.
 Y_TOLERANCE = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
+SCHEDULES_USED = (PARALLEL, LOWEST_FIRST, HIGHEST_FIRST)
+# Fixed per shape and dtype (not Python's salted hash()), so every run draws the same inputs.
+SEEDS = {(shape, str(dtype)): 100 * i + j for i, shape in enumerate(SHAPES) for j, dtype in enumerate(DTYPES)}
 
 
 def inputs(rng, B, T, Dk, Dv, Hk, Hv, dtype):
@@ -34,45 +48,158 @@ def as_numpy(x):
     return np.array(x.astype(mx.float32))
 
 
-@pytest.fixture(scope="module", params=SHAPES, ids=lambda s: "Dk{}-Dv{}-Hk{}-Hv{}".format(*s))
-def emulated(request):
-    return EmulatedKernels(*request.param)
+def emulated(schedule=PARALLEL, sources=None) -> kernels.MetalKernels:
+    """The engine's kernel dispatcher over the emulator, self-check off: the raw kernels."""
+    return kernels.MetalKernels(EmulatedMetal(schedule, sources), self_check=False)
 
 
+def verify(metal, q, k, v, g, beta, state, threadgroup=kernels.THREADGROUP):
+    return metal.run(dataclasses.replace(kernels.gated_delta_launch(q, k, v, g, beta, state), threadgroup=threadgroup))
+
+
+def replay(metal, state, k, g, delta, steps):
+    return metal.run(kernels.tape_replay_launch(state, k, g, delta, steps))[0]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "Dk{}-Dv{}-Hk{}-Hv{}".format(*s))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-def test_verify_kernel_and_replay_equal_the_reference(emulated, dtype):
-    Dk, Dv, Hk, Hv = emulated.shape
-    rng = np.random.default_rng(hash((emulated.shape, str(dtype))) % 2**32)
+def test_verify_kernel_and_replay_equal_the_reference(shape, dtype):
+    Dk, Dv, Hk, Hv = shape
+    rng = np.random.default_rng(SEEDS[(shape, str(dtype))])
+    metals = {schedule: emulated(schedule) for schedule in SCHEDULES_USED}
     for i, (B, T) in enumerate([(1, 1), (2, int(rng.integers(2, 9))), (1, 16)]):
         q, k, v, g, beta, state = inputs(rng, B, T, Dk, Dv, Hk, Hv, dtype)
         want_y, want_state, want_delta = kernels.gated_delta_reference(q, k, v, g, beta, state)
         # Free-running threads always, plus one serial schedule in turn (the sweep covers both).
         for schedule in (PARALLEL, (LOWEST_FIRST, HIGHEST_FIRST)[i % 2]):
-            y, final_state, delta = emulated.gated_delta(q, k, v, g, beta, state, schedule=schedule)
+            y, final_state, delta = verify(metals[schedule], q, k, v, g, beta, state)
             assert y.dtype == dtype
             np.testing.assert_allclose(as_numpy(y), as_numpy(want_y), atol=Y_TOLERANCE[dtype], rtol=Y_TOLERANCE[dtype])
             np.testing.assert_allclose(np.array(final_state), np.array(want_state), atol=1e-5, rtol=1e-5)
             np.testing.assert_allclose(np.array(delta), np.array(want_delta), atol=1e-5, rtol=1e-5)
         # Replay: same operations in the same order as the reference, so equal bit for bit.
         for steps in range(T + 1):
-            replayed = emulated.tape_replay(state, k, g, want_delta, steps)
             np.testing.assert_array_equal(
-                np.array(replayed), np.array(kernels.tape_replay_reference(state, k, g, want_delta, steps))
+                np.array(replay(metals[LOWEST_FIRST], state, k, g, want_delta, steps)),
+                np.array(kernels.tape_replay_reference(state, k, g, want_delta, steps)),
             )
         # Replaying the whole tape lands on the verify pass's own final state.
         np.testing.assert_allclose(
-            np.array(emulated.tape_replay(state, k, g, delta, T)), np.array(final_state), atol=1e-5, rtol=1e-5
+            np.array(replay(metals[LOWEST_FIRST], state, k, g, delta, T)), np.array(final_state), atol=1e-5, rtol=1e-5
         )
 
 
 def test_rows_per_threadgroup_do_not_change_results():
-    emulated = EmulatedKernels(32, 8, 2, 4)
+    metal = emulated()
     rng = np.random.default_rng(5)
     q, k, v, g, beta, state = inputs(rng, 1, 6, 32, 8, 2, 4, mx.float32)
-    results = [emulated.gated_delta(q, k, v, g, beta, state, rows_per_group=r) for r in (1, 2, 4, 8)]
+    results = [verify(metal, q, k, v, g, beta, state, threadgroup=(32, r, 1)) for r in (1, 2, 4, 8)]
     for other in results[1:]:
         for a, b in zip(results[0], other):
             np.testing.assert_array_equal(np.array(a), np.array(b))
+
+
+# The kernels before the address-space fix: typed `device` input pointers. Kept as mutants.
+UNFIXED_TAPE = {
+    "auto g_ = g + b_idx * T * Hv + hv_idx;": "const device float* g_ = g + b_idx * T * Hv + hv_idx;",
+    "auto beta_ = beta + b_idx * T * Hv + hv_idx;": "const device InT* beta_ = beta + b_idx * T * Hv + hv_idx;",
+}
+UNFIXED_REPLAY = {"auto g_ = g + b_idx * T * Hv + hv_idx;": "const device float* g_ = g + b_idx * T * Hv + hv_idx;"}
+
+
+def _unfixed(kernel, replacements):
+    source = kernels.kernel_source(kernel)
+    for fixed, unfixed in replacements.items():
+        assert source.count(fixed) == 1, "mutation no longer applies: update the test"
+        source = source.replace(fixed, unfixed)
+    return {kernel: source}
+
+
+def test_small_inputs_compile_in_the_constant_address_space():
+    """MLX passes inputs of under 8 elements as `constant`: a one-token call on a model with 4
+    value heads (the demo) hands g and beta over that way. The unfixed kernels assigned them to
+    `device` pointers, which Metal refuses; the fixed ones compile and match at B = 1, T = 1."""
+    Dk, Dv, Hk, Hv = 32, 16, 2, 4  # the demo's Gated DeltaNet heads
+    q, k, v, g, beta, state = inputs(np.random.default_rng(3), 1, 1, Dk, Dv, Hk, Hv, mx.float32)
+    want = kernels.gated_delta_reference(q, k, v, g, beta, state)
+    with pytest.raises(MetalCompileError, match="constant"):
+        verify(emulated(sources=_unfixed("gated_delta_tape", UNFIXED_TAPE)), q, k, v, g, beta, state)
+    with pytest.raises(MetalCompileError, match="constant"):
+        replay(emulated(sources=_unfixed("tape_replay", UNFIXED_REPLAY)), state, k, g, want[2], 1)
+    metal = emulated()
+    for got, expected in zip(verify(metal, q, k, v, g, beta, state), want):
+        np.testing.assert_allclose(as_numpy(got), as_numpy(expected), atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(
+        np.array(replay(metal, state, k, g, want[2], 1)), np.array(kernels.tape_replay_reference(state, k, g, want[2], 1))
+    )
+    # With 8 or more elements the same unfixed body compiles: why real models (16+ heads) escaped.
+    q, k, v, g, beta, state = inputs(np.random.default_rng(3), 1, 2, Dk, Dv, Hk, Hv, mx.float32)
+    verify(emulated(sources=_unfixed("gated_delta_tape", UNFIXED_TAPE)), q, k, v, g, beta, state)
+
+
+def test_inputs_reach_the_kernel_in_the_dtype_it_computes_in():
+    """MLX declares each input with its own dtype. A q of another dtype than k is cast by
+    kernels.py; a body that assumed the template type for an uncast input would not compile."""
+    q, k, v, g, beta, state = inputs(np.random.default_rng(4), 1, 3, 32, 8, 2, 4, mx.float32)
+    launch = kernels.gated_delta_launch(q.astype(mx.float16), k, v.astype(mx.bfloat16), g, beta.astype(mx.float16), state)
+    assert [a.dtype for a in launch.inputs[:6]] == [mx.float32] * 6
+    got = emulated().run(launch)
+    want = kernels.gated_delta_reference(q.astype(mx.float16).astype(mx.float32), k, v.astype(mx.bfloat16).astype(mx.float32),
+                                         g, beta.astype(mx.float16).astype(mx.float32), state)
+    np.testing.assert_allclose(as_numpy(got[0]), as_numpy(want[0]), atol=1e-5, rtol=1e-5)
+    typed = {"auto q_ = q + b_idx * T * Hk * Dk + hk_idx * Dk;": "const device InT* q_ = q + b_idx * T * Hk * Dk + hk_idx * Dk;"}
+    uncast = dataclasses.replace(launch, inputs=(q.astype(mx.float16), *launch.inputs[1:]))
+    with pytest.raises(MetalCompileError):
+        emulated(sources=_unfixed("gated_delta_tape", typed)).run(uncast)
+
+
+def test_the_generated_signature_follows_mlx():
+    """The emulator's source is MLX's: address space by size, type by dtype, scalars as references."""
+    q, k, v, g, beta, state = inputs(np.random.default_rng(0), 1, 1, 32, 16, 2, 4, mx.bfloat16)
+    launch = kernels.gated_delta_launch(q, k, v, g, beta, state)
+    names, outputs = kernels.KERNEL_IO[launch.name]
+    generated = GeneratedKernel(launch.name, names, outputs, kernels.kernel_source(launch.name), "",
+                                [to_array(x) for x in launch.inputs], launch.output_dtypes, launch.template)
+    text = generated.metal_source
+    assert "template <typename InT, typename StT, int Dk, int Dv, int Hk, int Hv>" in text
+    assert "  const device bfloat16_t* q [[buffer(0)]]," in text
+    assert "  const constant float* g [[buffer(3)]]," in text  # 4 elements
+    assert "  const constant bfloat16_t* beta [[buffer(4)]]," in text
+    assert "  const constant int32_t& T [[buffer(6)]]," in text
+    assert "  device bfloat16_t* y [[buffer(7)]]," in text
+    assert "  uint3 thread_position_in_grid [[thread_position_in_grid]]" in text
+    assert "  uint thread_index_in_simdgroup [[thread_index_in_simdgroup]]" in text
+    assert generated.kernel_name == (
+        "custom_kernel_gated_delta_tape__bfloat16_t_float_32_16_2_4"  # MLX: "_" + "_bfloat16_t_..."
+        "_bfloat16_t_bfloat16_t_bfloat16_t_floatc_bfloat16_tc_float_int32_ts_bfloat16_t_float_float"
+    )
+    assert f'template [[host_name("{generated.kernel_name}")]] [[kernel]] decltype(' in text
+
+
+@pytest.mark.parametrize("broken", ["renamed input", "missing template argument", "undeclared name"])
+def test_call_glue_mismatches_fail_to_compile(broken):
+    q, k, v, g, beta, state = inputs(np.random.default_rng(1), 1, 2, 32, 8, 2, 4, mx.float32)
+    launch = kernels.gated_delta_launch(q, k, v, g, beta, state)
+    names, outputs = kernels.KERNEL_IO[launch.name]
+    source = kernels.kernel_source(launch.name)
+    if broken == "renamed input":
+        names = ("query", *names[1:])
+    elif broken == "missing template argument":
+        launch = dataclasses.replace(launch, template=tuple(a for a in launch.template if a[0] != "Hk"))
+    else:
+        source = source.replace("const float g_t = static_cast<float>(g_[t * Hv]);", "const float g_t = gate[t];")
+    kernel = EmulatedMetal()(name=launch.name, input_names=list(names), output_names=list(outputs), source=source)
+    with pytest.raises(MetalCompileError):
+        kernel(inputs=list(launch.inputs), template=list(launch.template), grid=launch.grid, threadgroup=launch.threadgroup,
+               output_shapes=list(launch.output_shapes), output_dtypes=list(launch.output_dtypes))
+
+
+def test_replay_refuses_more_steps_than_the_tape_holds():
+    q, k, v, g, beta, state = inputs(np.random.default_rng(2), 1, 3, 32, 8, 2, 4, mx.float32)
+    with pytest.raises(ValueError, match="steps=4 outside 0..3"):
+        kernels.tape_replay_launch(state, k, g, v.astype(mx.float32), 4)
+    with pytest.raises(ValueError, match="steps=4 outside 0..3"):
+        kernels.Recurrence().tape_replay(state, k, g, v.astype(mx.float32), 4)
 
 
 FIRST_BARRIER = "  threadgroup_barrier(mem_flags::mem_threadgroup);\n\n  const float g_t"
@@ -83,7 +210,9 @@ MUTATIONS = {
     "dropped barrier before overwriting k/q": (
         "gated_delta_tape", "  threadgroup_barrier(mem_flags::mem_threadgroup);\n}", "}",
     ),
-    "wrong gate (first step's for all)": ("gated_delta_tape", "const float g_t = g_[t * Hv];", "const float g_t = g_[0];"),
+    "wrong gate (first step's for all)": (
+        "gated_delta_tape", "const float g_t = static_cast<float>(g_[t * Hv]);", "const float g_t = static_cast<float>(g_[0]);",
+    ),
     "delta missing beta": ("gated_delta_tape", " * static_cast<float>(beta_[t * Hv]);", ";"),
     "replay: gate dropped": ("tape_replay", "state[i] = state[i] * g_t;\n", "\n"),
     "replay: wrong head index": ("tape_replay", "hv_idx / (Hv / Hk)", "hv_idx % Hk"),
@@ -93,46 +222,44 @@ MUTATIONS = {
 @pytest.mark.parametrize("mutation", list(MUTATIONS), ids=list(MUTATIONS))
 def test_the_harness_catches_broken_kernels(mutation):
     kernel, original, broken = MUTATIONS[mutation]
-    sources = {name: kernels.kernel_source(name) for name in kernels.KERNEL_NAMES}
-    assert sources[kernel].count(original) == 1, "mutation no longer applies: update the test"
-    sources[kernel] = sources[kernel].replace(original, broken)
+    sources = mutated_sources(kernel, original, broken)
     shape = (64, 4, 2, 4)  # two state elements per lane, so a wrong lane offset shows
-    mutant = EmulatedKernels(*shape, sources=sources)
     rng = np.random.default_rng(9)
     q, k, v, g, beta, state = inputs(rng, 1, 5, *shape, mx.float32)
     want = kernels.gated_delta_reference(q, k, v, g, beta, state)
     if kernel == "tape_replay":
-        got = mutant.tape_replay(state, k, g, want[2], 5)
+        got = replay(emulated(sources=sources), state, k, g, want[2], 5)
         assert not np.allclose(np.array(got), np.array(kernels.tape_replay_reference(state, k, g, want[2], 5)), atol=1e-4)
         return
     # Deterministic schedules only: the mutant must fail the same way every run.
     caught = []
     for schedule in (LOWEST_FIRST, HIGHEST_FIRST):
-        got = mutant.gated_delta(q, k, v, g, beta, state, schedule=schedule)
+        got = verify(emulated(schedule, sources), q, k, v, g, beta, state)
         caught.append(not all(np.allclose(as_numpy(a), as_numpy(b), atol=1e-4) for a, b in zip(got, want)))
     assert any(caught), f"{mutation} went unnoticed"
 
 
-def test_model_rollback_goes_through_kernels(hf_target_dir, draft, monkeypatch):
-    """The target's verify pass and rollback call kernels.py, and the output stays lossless.
-
-    A freshly loaded target: its compiled layers call the recurrence only while they trace, once
-    per shape, so a model that already ran in this process would not call it again."""
+def test_model_rollback_goes_through_its_recurrence(hf_target_dir, draft):
+    """The target's verify pass and rollback call the Recurrence it was loaded with, and the
+    output stays lossless. A freshly loaded target: its compiled layers call the recurrence only
+    while they trace, once per shape."""
     from dflash_mlx.loading import load_target
     from dflash_mlx.sampling import Sampler
     from dflash_mlx.speculative import speculative, target_only
     from tests.test_lossless import take
 
     calls = {"gated_delta": 0, "tape_replay": 0}
-    for name in calls:
-        original = getattr(kernels, name)
 
-        def counted(*args, _original=original, _name=name, **kwargs):
-            calls[_name] += 1
-            return _original(*args, **kwargs)
+    class Counted(kernels.Recurrence):
+        def gated_delta(self, *args, **kwargs):
+            calls["gated_delta"] += 1
+            return super().gated_delta(*args, **kwargs)
 
-        monkeypatch.setattr(kernels, name, counted)
-    target, _ = load_target(hf_target_dir)
+        def tape_replay(self, *args, **kwargs):
+            calls["tape_replay"] += 1
+            return super().tape_replay(*args, **kwargs)
+
+    target, _ = load_target(hf_target_dir, recurrence=Counted(chunked=True))
     prompt = mx.array([3, 14, 15, 92, 65, 35], dtype=mx.int32)
     expected, _ = take(target_only(target, prompt, Sampler()), 20)
     got, _ = take(speculative(target, draft, prompt, Sampler(), block_tokens=4), 20)
@@ -140,13 +267,15 @@ def test_model_rollback_goes_through_kernels(hf_target_dir, draft, monkeypatch):
 
 
 def test_reference_switch_and_dispatch_rules(monkeypatch):
-    k = mx.zeros((1, 2, 2, 64))
-    v = mx.zeros((1, 2, 4, 16))
     monkeypatch.setenv(kernels.BACKEND_ENV, "reference")
-    assert not kernels.use_metal(k, v)
+    assert kernels.Recurrence.for_this_process().mode(64, 2, 16, 4) == "reference"
     monkeypatch.delenv(kernels.BACKEND_ENV)
-    assert kernels.use_metal(k, v) == (mx.metal.is_available() and mx.default_device() == mx.gpu)
-    assert not kernels.use_metal(mx.zeros((1, 2, 2, 48)), v)  # Dk not a multiple of 32
+    on_metal = mx.metal.is_available() and mx.default_device() == mx.gpu
+    assert kernels.Recurrence.for_this_process().mode(64, 2, 16, 4) == ("metal" if on_metal else "chunked")
+    metal = kernels.Recurrence(metal=emulated())
+    assert metal.mode(64, 2, 16, 4) == "metal"
+    assert metal.mode(48, 2, 16, 4) == "reference"  # Dk not a multiple of 32
+    assert metal.mode(64, 2, 6, 4) == "reference"  # Dv not a multiple of 4
 
 
 def test_kernel_sources_and_the_demo_pair_ship_in_the_wheel(tmp_path):
@@ -174,17 +303,25 @@ def test_kernel_sources_and_the_demo_pair_ship_in_the_wheel(tmp_path):
 @pytest.mark.skipif(not mx.metal.is_available(), reason="needs an Apple GPU (Metal)")
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 def test_metal_kernels_on_an_apple_gpu(dtype):
-    """On a Mac: the real kernels against the same references (in addition to the emulation)."""
+    """On a Mac: the real kernels, through the engine's own dispatcher and its self-check, against
+    the same references (in addition to the emulation); B = 1 and T = 1 included, and the demo's
+    4 value heads, whose one-token inputs MLX passes in the constant address space."""
     rng = np.random.default_rng(2)
-    for (Dk, Dv, Hk, Hv), T in itertools.product([(128, 128, 16, 32), (64, 8, 2, 4)], [1, 8, 16]):
-        q, k, v, g, beta, state = inputs(rng, 2, T, Dk, Dv, Hk, Hv, dtype)
+    metal = kernels.MetalKernels()
+    shapes = [(128, 128, 16, 32), (64, 8, 2, 4), (32, 16, 2, 4)]
+    for (Dk, Dv, Hk, Hv), B, T in itertools.product(shapes, [1, 2], [1, 8, 16]):
+        q, k, v, g, beta, state = inputs(rng, B, T, Dk, Dv, Hk, Hv, dtype)
         with mx.stream(mx.gpu):
-            got = kernels.gated_delta_metal(q, k, v, g, beta, state)
+            got = metal.gated_delta(q, k, v, g, beta, state)
+            assert got is not None, metal.report()
             want = kernels.gated_delta_reference(q, k, v, g, beta, state)
             for a, b in zip(got, want):
                 np.testing.assert_allclose(as_numpy(a), as_numpy(b), atol=Y_TOLERANCE[dtype], rtol=Y_TOLERANCE[dtype])
             for steps in range(T + 1):
+                replayed = metal.tape_replay(state, k, g, want[2], steps)
+                assert replayed is not None, metal.report()
                 np.testing.assert_allclose(
-                    np.array(kernels.tape_replay_metal(state, k, g, want[2], steps)),
-                    np.array(kernels.tape_replay_reference(state, k, g, want[2], steps)), atol=1e-5, rtol=1e-5,
+                    np.array(replayed), np.array(kernels.tape_replay_reference(state, k, g, want[2], steps)),
+                    atol=1e-5, rtol=1e-5,
                 )
+    assert set(metal.report().values()) == {"ok"}, metal.report()

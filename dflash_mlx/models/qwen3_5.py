@@ -135,6 +135,9 @@ class GatedDeltaNet(nn.Module):
         self.A_log = mx.zeros((self.num_v_heads,))
         self.norm = GatedRMSNorm(self.head_v_dim, args.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, args.hidden_size, bias=False)
+        # How the recurrence runs (Metal kernels, chunked, reference): decided at load, see
+        # Model.use_recurrence; a plain attribute, not a parameter.
+        object.__setattr__(self, "recurrence", kernels.Recurrence.for_this_process())
 
     def states(self, x, cache: Optional[GatedDeltaCache]):
         """The conv and recurrent states a call starts from (zeros for a fresh cache)."""
@@ -158,7 +161,7 @@ class GatedDeltaNet(nn.Module):
         cache.offset += k.shape[1]
 
     def recurrence_mode(self) -> str:
-        return kernels.recurrence_mode(self.head_k_dim, self.num_k_heads, self.head_v_dim, self.num_v_heads)
+        return self.recurrence.mode(self.head_k_dim, self.num_k_heads, self.head_v_dim, self.num_v_heads)
 
     def mix(self, x, conv_state, start_state):
         """Output, conv input, final state, and the tape's k, g, delta (a pure function)."""
@@ -178,7 +181,7 @@ class GatedDeltaNet(nn.Module):
         eps = 1e-6 * inv_scale**2
         q = (inv_scale**2) * mx.fast.rms_norm(q, None, eps)
         k = inv_scale * mx.fast.rms_norm(k, None, eps)
-        y, state, delta = kernels.gated_delta(q, k, v, g, beta, start_state)
+        y, state, delta = self.recurrence.gated_delta(q, k, v, g, beta, start_state)
         out = self.norm(y, z)
         return self.out_proj(out.reshape(B, T, -1)), conv_input, state, k, g, delta
 
@@ -340,7 +343,14 @@ class Model(nn.Module):
         return self.forward(inputs, cache)[0]
 
     def make_cache(self) -> list:
-        return [GatedDeltaCache() if l.is_linear else KVCache() for l in self.layers]
+        return [GatedDeltaCache(l.linear_attn.recurrence) if l.is_linear else KVCache() for l in self.layers]
+
+    def use_recurrence(self, recurrence: kernels.Recurrence) -> "Model":
+        """Run every Gated DeltaNet layer (and its caches' rollbacks) through ``recurrence``."""
+        for layer in self.layers:
+            if layer.is_linear:
+                object.__setattr__(layer.linear_attn, "recurrence", recurrence)
+        return self
 
     def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
         """Maps HF (multimodal or text-only) and MLX checkpoints onto this module tree."""
