@@ -20,8 +20,10 @@ from dflash_mlx.models.dflash import DFlashDraft
 VOCAB = 512
 
 
-def make_hf_target(path: Path, vocab_size: int = VOCAB, seed: int = 0, tie: bool = False, **overrides) -> Path:
-    """A random ``Qwen3_5ForCausalLM`` saved by transformers, with our tiny tokenizer."""
+def make_hf_target(
+    path: Path, vocab_size: int = VOCAB, seed: int = 0, tie: bool = False, dtype: str = "float32", **overrides
+) -> Path:
+    """A random ``Qwen3_5ForCausalLM`` saved by transformers (in ``dtype``), with our tiny tokenizer."""
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
@@ -39,7 +41,7 @@ def make_hf_target(path: Path, vocab_size: int = VOCAB, seed: int = 0, tie: bool
                 p.normal_(0, 0.5)  # spread logits: fewer near-ties in tiny vocabularies
             elif p.ndim == 2:
                 p.normal_(0, p.shape[1] ** -0.5)
-    model.save_pretrained(str(path))
+    model.to(getattr(torch, dtype)).save_pretrained(str(path))
     return path
 
 

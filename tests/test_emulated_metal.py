@@ -1,0 +1,172 @@
+"""The engine on the emulated Mac path.
+
+The target is loaded the way it runs on an Apple GPU: its Gated DeltaNet layers uncompiled in the
+``metal`` recurrence mode, every recurrence and replay dispatched by ``kernels.MetalKernels``
+through ``mx.fast.metal_kernel``'s signature, here the emulator's stand-in (the shipped ``.metal``
+sources compiled as C++). The lossless tests run on that path for float32 and bfloat16
+checkpoints; mutated kernels make them fail; a kernel that fails its self-check falls back.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dflash_mlx import kernels
+from dflash_mlx.loading import load_target
+from dflash_mlx.sampling import Sampler
+from dflash_mlx.speculative import speculative, target_only
+from tests import test_sampling
+from tests.conftest import VOCAB, make_draft, make_hf_target, random_prompts
+from tests.metal_emulation import HIGHEST_FIRST, LOWEST_FIRST, EmulatedMetal, mutated_sources
+from tests.test_kernels import MUTATIONS
+from tests.test_lossless import OracleDraft, _cache_tensors, assert_lossless, take
+
+GREEDY = Sampler()
+
+
+def emulated_recurrence(sources=None, self_check=True, schedule=LOWEST_FIRST) -> kernels.Recurrence:
+    """The recurrence a Mac runs, over the emulator: kernels dispatched and self-checked."""
+    return kernels.Recurrence(metal=kernels.MetalKernels(EmulatedMetal(schedule, sources), self_check=self_check))
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def checkpoint(request, tmp_path_factory):
+    return make_hf_target(tmp_path_factory.mktemp(f"mac_target_{request.param}"), dtype=request.param)
+
+
+@pytest.fixture(scope="module")
+def mac_pair(checkpoint, tmp_path_factory):
+    target, config = load_target(checkpoint, recurrence=emulated_recurrence())
+    assert all(l.linear_attn.recurrence_mode() == "metal" for l in target.layers if l.is_linear)
+    draft = make_draft(tmp_path_factory.mktemp("mac_draft"), target, config, block_size=8)
+    return target, draft, config
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(3, VOCAB, seed=7)
+
+
+def kernels_used(target) -> dict:
+    return next(l.linear_attn.recurrence for l in target.layers if l.is_linear).metal.report()
+
+
+def check_greedy_lossless(target, draft, prompts, blocks, n=20):
+    for prompt in prompts:
+        expected, _ = take(target_only(target, prompt, GREEDY), n)
+        for block in blocks:
+            got, _ = take(speculative(target, draft, prompt, GREEDY, block_tokens=block), n)
+            assert_lossless(target, prompt, expected, got)
+
+
+def test_greedy_is_lossless_on_the_emulated_metal_path(mac_pair, prompts):
+    target, draft, _ = mac_pair
+    check_greedy_lossless(target, draft, prompts, [2, 4, 8])
+    report = kernels_used(target)
+    assert report and set(report.values()) == {"ok"}, report  # the kernels ran; none fell back
+
+
+def check_every_acceptance_length(target, prompts, block=4):
+    """An oracle draft wrong at a scheduled slot per cycle: every acceptance length 0..block-1."""
+    seen = set()
+    for k, prompt in enumerate(prompts):
+        expected, _ = take(target_only(target, prompt, GREEDY), 16)
+        schedule = list(range(block))[k % block :] + list(range(block))[: k % block]
+        oracle = OracleDraft(prompt.tolist() + expected, block, schedule)
+        got, commits = take(speculative(target, oracle, prompt, GREEDY, block_tokens=block), 11)
+        assert_lossless(target, prompt, expected[:11], got)
+        accepted = [c.accepted for c in commits[1:]]
+        assert accepted[: len(schedule)] == schedule[: len(accepted)]
+        seen.update(accepted)
+    return seen
+
+
+def test_every_acceptance_length_is_lossless_on_the_emulated_metal_path(mac_pair, prompts):
+    target, _, _ = mac_pair
+    assert check_every_acceptance_length(target, prompts) == set(range(4))
+
+
+def test_rollback_state_on_the_emulated_metal_path(mac_pair, prompts):
+    """After every cycle, the caches equal those of feeding the committed tokens directly."""
+    target, _, config = mac_pair
+    tolerance = 2e-5 if config.get("dtype", "float32") == "float32" else 2e-2
+    prompt = prompts[0]
+    expected, _ = take(target_only(target, prompt, GREEDY), 16)
+    oracle = OracleDraft(prompt.tolist() + expected, 4, [0, 1, 2, 3, 3, 2, 1, 0])
+    cache, committed = target.make_cache(), []
+    for i, commit in enumerate(speculative(target, oracle, prompt, GREEDY, block_tokens=4, cache=cache)):
+        committed.extend(commit.tokens)
+        direct = target.make_cache()
+        fed = mx.concatenate([prompt, mx.array(committed[:-1], dtype=prompt.dtype)])
+        target(fed[None], direct)
+        for (name, offset, got), (_, want_offset, want) in zip(_cache_tensors(cache), _cache_tensors(direct)):
+            assert offset == want_offset == fed.size, name
+            np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), atol=tolerance, rtol=tolerance,
+                                       err_msg=f"cycle {i}: {name}")
+        if i == 8:
+            break
+
+
+def test_sampling_follows_the_target_on_the_emulated_metal_path(tmp_path_factory):
+    """The chi-square test of test_sampling, on a small-vocabulary pair with small heads (the
+    emulator runs every GPU thread: 256 of them per call here)."""
+    heads = dict(linear_num_key_heads=1, linear_num_value_heads=2, linear_value_head_dim=4)
+    path = make_hf_target(tmp_path_factory.mktemp("mac_small"), vocab_size=test_sampling.V, seed=11, **heads)
+    target, config = load_target(path, recurrence=emulated_recurrence())
+    draft = make_draft(tmp_path_factory.mktemp("mac_small_draft"), target, config, block_size=4, seed=12)
+    sampler = test_sampling.SAMPLERS[1]
+    counts = test_sampling.sampled_joint(target, draft, sampler, seed=0)
+    pvalue = test_sampling.goodness_of_fit(counts, test_sampling.exact_joint(target, sampler))
+    assert pvalue > 1e-3, f"speculative samples on the Metal path do not follow the target (p={pvalue:.2g})"
+    assert set(kernels_used(target).values()) == {"ok"}
+
+
+@pytest.mark.parametrize("mutation", ["wrong gate (first step's for all)", "dropped barrier before overwriting k/q"])
+def test_a_mutated_kernel_fails_the_lossless_test(hf_target_dir, mutation, prompts):
+    """Without its self-check, a broken .metal file breaks losslessness end to end (the oracle
+    draft's accepted slots are where a verify block's later steps show)."""
+    kernel, original, broken = MUTATIONS[mutation]
+    caught = False
+    for schedule in (LOWEST_FIRST, HIGHEST_FIRST):
+        recurrence = emulated_recurrence(mutated_sources(kernel, original, broken), self_check=False, schedule=schedule)
+        target, _ = load_target(hf_target_dir, recurrence=recurrence)
+        try:
+            check_every_acceptance_length(target, prompts)
+        except AssertionError:
+            caught = True
+            break
+    assert caught, f"{mutation} did not break the lossless test"
+
+
+def _self_check_warnings(caught) -> list:
+    return [w for w in caught if issubclass(w.category, RuntimeWarning) and "failed its self-check" in str(w.message)]
+
+
+@pytest.mark.parametrize("failure", ["compile error", "wrong output"])
+def test_a_kernel_that_fails_its_self_check_falls_back(hf_target_dir, tmp_path, failure, prompts):
+    """One warning naming the kernel and the error, then the reference: output identical to the
+    target alone (on the CPU path), never a crash."""
+    if failure == "compile error":
+        sources = mutated_sources("gated_delta_tape", "auto g_ = g + b_idx", "auto g_ = gate + b_idx")
+    else:
+        sources = mutated_sources("gated_delta_tape", *MUTATIONS["wrong gate (first step's for all)"][1:])
+    target, config = load_target(hf_target_dir, recurrence=emulated_recurrence(sources))
+    reference, _ = load_target(hf_target_dir)
+    draft = make_draft(tmp_path, target, config, block_size=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for prompt in prompts[:2]:
+            expected, _ = take(target_only(reference, prompt, GREEDY), 16)
+            got, _ = take(speculative(target, draft, prompt, GREEDY, block_tokens=4), 16)
+            assert_lossless(reference, prompt, expected, got)
+    messages = [str(w.message) for w in _self_check_warnings(caught)]
+    assert len(messages) == 1, messages
+    assert "gated_delta_tape" in messages[0]
+    assert ("MetalCompileError" in messages[0] and "gate" in messages[0]) if failure == "compile error" else "differs" in messages[0]
+    report = kernels_used(target)
+    assert any(k.startswith("gated_delta_tape") and v != "ok" for k, v in report.items())
+    assert any(k.startswith("tape_replay") and v == "ok" for k, v in report.items())  # the other kernel still runs
