@@ -13,7 +13,7 @@ from mlx_lm.generate import GenerationResponse as MlxLmResponse
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from . import defaults, loading
+from . import defaults, device, loading
 from .models.dflash import DFlashDraft, quantize_draft
 from .models.qwen3_5 import Model as Target
 from .prompt_cache import PromptCache
@@ -94,12 +94,16 @@ def load(
     draft_window: Optional[int] = None,
     revision: Optional[str] = None,
     draft_revision: Optional[str] = None,
+    draft_dtype: Any = "auto",
 ) -> tuple[DFlashModel, TokenizerWrapper]:
     """Load a Qwen3.5 target (HF or MLX layout, local or from the Hub) and optionally a draft.
 
     ``"demo"`` loads the tiny pair shipped in the package, draft included.
     ``draft_quant``: ``w4``, ``w8``, ``w4:gs32``… quantizes the draft's linear layers.
     ``draft_window``: keep only that many recent context tokens in the draft's cache.
+    ``draft_dtype``: the draft's activation dtype; ``"auto"`` is float32 on Apple GPUs without
+    native bfloat16 (M1/M2, where 16-bit drafts lose most of their acceptance; see
+    ``device.WITHOUT_NATIVE_BFLOAT16``) and the checkpoint's own elsewhere; None keeps it.
     """
     if path_or_hf_repo == defaults.DEMO:
         path_or_hf_repo, draft = defaults.demo(draft)
@@ -115,6 +119,7 @@ def load(
         warn_if_mask_is_a_token(model.draft.mask_token_id, tokenizer)
         warn_if_converted_for_another_tokenizer(draft_config, target_path)
         quantize_draft(model.draft, draft_quant)
+        model.draft.compute_in(device.draft_activation_dtype() if draft_dtype == "auto" else draft_dtype)
         mx.eval(model.draft.parameters())
     elif draft_quant not in (None, "none"):
         raise ValueError("draft_quant was given but no draft")

@@ -300,6 +300,40 @@ def serve(
     uvicorn.run(app_, host=host, port=port, log_level="warning")
 
 
+@app.command()
+def doctor(
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Target to check for memory (folder, repo id or 'demo'); omit to check the machine only. Nothing is converted or downloaded beyond what loading the pair needs.")] = None,
+    draft: Annotated[Optional[str], typer.Option("--draft", "-d", help="DFlash draft to include (with --model demo: the demo draft by default).")] = None,
+    draft_quant: DraftQuant = "none",
+    context: Annotated[int, typer.Option("--context", help="Context length (prompt + answer tokens) to size the caches for.")] = 8192,
+    memory_gb: Annotated[Optional[float], typer.Option("--memory-gb", help="Memory to fit in, in GiB (default: MLX's recommended working set on a Mac, total memory elsewhere).")] = None,
+    probe_tokens: Annotated[int, typer.Option("--probe-tokens", help="With a draft: tokens generated in each thinking mode to compare acceptance (0 = skip).")] = 48,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Check this machine and a pair: device and GPU family, MLX versions, Metal, memory, each
+    kernel's self-check, whether the pair fits at --context, and known acceptance killers.
+    Exits 1 when something is wrong, with the fix."""
+    from . import doctor as doctor_lib
+    from .loading import CheckpointError
+
+    if context < 1:
+        _fail(f"--context must be at least 1 (got {context})")
+    if model is None and draft is not None:
+        _fail("--draft needs --model (the target it drafts for)")
+    try:
+        report = doctor_lib.diagnose(model, draft, None if draft_quant == "none" else draft_quant, context, memory_gb,
+                                     probe_tokens)
+    except (CheckpointError, ValueError) as e:
+        _fail(str(e))
+    if as_json:
+        typer.echo(json.dumps(doctor_lib.as_json(report), indent=2))
+    else:
+        for line in doctor_lib.render(report):
+            typer.echo(line)
+    if report.failed:
+        raise typer.Exit(code=1)
+
+
 @app.command("train-draft")
 def train_draft_command(
     model: Annotated[str, typer.Option("--model", "-m", help="Target to train a draft for (anything `load` accepts).")],

@@ -312,6 +312,15 @@ class DFlashDraft(nn.Module):
         self._embed: Optional[Callable] = None
         self._head: Optional[Callable] = None
         self.target_layer_ids: List[int] = list(args.target_layer_ids or [])
+        self.activation_dtype: Optional[mx.Dtype] = None  # None: the inputs' own dtype
+
+    def compute_in(self, dtype: Optional[mx.Dtype]) -> "DFlashDraft":
+        """Run the draft's activations (and its float weights, quantization scales included) in
+        ``dtype``; the target's embeddings and features are cast on the way in."""
+        if dtype is not None:
+            self.set_dtype(dtype)
+            self.activation_dtype = dtype
+        return self
 
     @property
     def block_size(self) -> int:
@@ -359,6 +368,8 @@ class DFlashDraft(nn.Module):
 
     def add_context(self, context: mx.array, cache: List[ContextCache]) -> None:
         """Append committed tokens' tapped target features [B, S, taps*H] to the cache."""
+        if self.activation_dtype is not None:
+            context = context.astype(self.activation_dtype)
         ctx = self.hidden_norm(self.fc(context))
         for layer, c in zip(self.layers, cache):
             layer.self_attn.add_context(ctx, self.rope, c)
@@ -368,6 +379,8 @@ class DFlashDraft(nn.Module):
         if self._embed is None:
             raise RuntimeError("bind(target) the draft before using it")
         x = self._embed(block)
+        if self.activation_dtype is not None:
+            x = x.astype(self.activation_dtype)
         for layer, c in zip(self.layers, cache):
             x = layer(x, self.rope, c)
         return self._head(self.norm(x[:, 1:]))

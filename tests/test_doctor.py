@@ -1,0 +1,111 @@
+"""``dflash-mlx doctor``: its output and exit codes, the memory estimate, the kernel self-check
+it reports (on the emulated kernels), and the device-dependent draft dtype."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import pytest
+
+from dflash_mlx import device, doctor, kernels
+from dflash_mlx.api import load, stream_generate
+from tests.metal_emulation import LOWEST_FIRST, EmulatedMetal, mutated_sources
+from tests.test_cli import cli
+from tests.test_kernels import MUTATIONS
+
+M1 = device.DeviceFacts("Apple M1", "applegpu_g13s", True, 13, 16 * doctor.GiB, 11 * doctor.GiB)
+M3 = device.DeviceFacts("Apple M3 Pro", "applegpu_g15s", True, 15, 18 * doctor.GiB, 12 * doctor.GiB)
+SMALL_HEADS = [(32, 2, 16, 4)]  # the emulator runs every GPU thread: keep the grid small
+
+
+def test_doctor_on_this_machine_says_what_it_cannot_check():
+    done = cli("doctor")
+    assert done.returncode == 0, done.stderr
+    for line in ("device:", "GPU family:", "versions: mlx", "Metal:", "memory:", "Metal kernels:"):
+        assert line in done.stdout, done.stdout
+    if not mx.metal.is_available():
+        assert "not checked: no Metal GPU here" in done.stdout
+
+
+def test_doctor_says_a_pair_does_not_fit_and_exits_non_zero():
+    done = cli("doctor", "--model", "demo", "--memory-gb", "0.004", "--probe-tokens", "0")
+    assert done.returncode == 1, done.stdout
+    assert "[FAIL] fits in memory" in done.stdout and "fix: " in done.stdout
+    fits = cli("doctor", "--model", "demo", "--memory-gb", "1", "--probe-tokens", "0", "--json")
+    assert fits.returncode == 0, fits.stderr
+    report = json.loads(fits.stdout)
+    assert report["ok"] and {"target weights", "attention KV caches", "draft context cache"} <= set(report["memory_bytes"])
+
+
+def test_doctor_refuses_bad_options():
+    for args, message in ((["--context", "0"], "--context"), (["--draft", "x"], "--draft needs --model"),
+                          (["--model", "/no/such/folder"], "/no/such/folder")):
+        done = cli("doctor", *args)
+        assert done.returncode != 0 and message in done.stderr, (args, done.stderr)
+
+
+def test_memory_estimate_follows_the_shapes(hf_target_dir, target_config, tmp_path):
+    from dflash_mlx import tiny
+
+    tiny.write_draft(tmp_path, tiny.draft_config(target_config, block_size=8))
+    small = doctor.estimate_memory(hf_target_dir, tmp_path, None, context=100)
+    large = doctor.estimate_memory(hf_target_dir, tmp_path, None, context=1000)
+    n_attn = sum(t == "full_attention" for t in target_config["layer_types"])
+    per_position = n_attn * 2 * target_config["num_key_value_heads"] * target_config["head_dim"] * 4  # float32
+    assert small["attention KV caches"] == per_position * 256  # mlx-lm's KVCache steps of 256
+    assert large["attention KV caches"] == per_position * 1024
+    assert large["draft context cache"] == 10 * small["draft context cache"]
+    assert small["Gated DeltaNet states"] == large["Gated DeltaNet states"]  # independent of context
+    w4 = doctor.estimate_memory(hf_target_dir, tmp_path, "w4", context=100)
+    assert w4["draft weights"] < small["draft weights"] / 2
+
+
+def test_doctor_reports_a_kernel_that_fails_its_self_check():
+    broken = mutated_sources("tape_replay", *MUTATIONS["replay: gate dropped"][1:])
+    metal = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST, broken))
+    report = doctor.diagnose(facts=M3, metal=metal, kernel_shapes=SMALL_HEADS)
+    failed = [c for c in report.checks if c.status == doctor.FAIL]
+    assert report.failed and failed and all(c.name.startswith("kernel tape_replay") for c in failed)
+    assert all("differs from the reference" in c.detail and c.fix for c in failed)
+    assert any(c.name.startswith("kernel gated_delta_tape") and c.status == doctor.OK for c in report.checks)
+    healthy = doctor.diagnose(facts=M3, metal=kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST)), kernel_shapes=SMALL_HEADS)
+    assert not healthy.failed
+    assert "M3 (Apple GPU generation 15)" in " ".join(c.detail for c in healthy.checks)
+
+
+def test_drafts_compute_in_float32_on_gpus_without_native_bfloat16():
+    assert device.draft_activation_dtype(M1) == mx.float32
+    assert device.draft_activation_dtype(M3) is None
+    assert device.draft_activation_dtype(device.facts()) is None or mx.metal.is_available()
+    report = doctor.diagnose(facts=M1, metal=kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST)), kernel_shapes=SMALL_HEADS)
+    assert any(c.name == "draft activations" and "float32" in c.detail for c in report.checks)
+
+
+def test_a_float32_draft_on_a_bfloat16_target_stays_lossless():
+    model, tokenizer = load("demo", draft_dtype=mx.float32)
+    assert model.draft.activation_dtype == mx.float32
+    assert all(p.dtype == mx.float32 for _, p in _leaves(model.draft.parameters()))
+    prompt = tokenizer.encode("def add(a, b):\n    return")
+    fast = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=24)]
+    alone = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=24, use_draft=False)]
+    assert fast == alone
+
+
+def _leaves(tree, prefix=""):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _leaves(v, f"{prefix}{k}.")
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            yield from _leaves(v, f"{prefix}{i}.")
+    else:
+        yield prefix, tree
+
+
+def test_doctor_finds_the_thinking_mode_the_demo_draft_was_trained_for():
+    """The demo saw the empty thinking block in a fifth of its chats: --no-think, the CLI's
+    default, costs it most of its acceptance, and doctor measures that."""
+    report = doctor.diagnose("demo", probe_tokens=40)
+    (check,) = [c for c in report.checks if c.name == "thinking mode"]
+    assert check.status == doctor.WARN and "--think" in check.fix, check
