@@ -23,7 +23,7 @@ from tests import test_sampling
 from tests.conftest import VOCAB, make_draft, make_hf_target, random_prompts
 from tests.metal_emulation import HIGHEST_FIRST, LOWEST_FIRST, EmulatedMetal, mutated_sources
 from tests.test_kernels import MUTATIONS
-from tests.test_lossless import OracleDraft, _cache_tensors, assert_lossless, take
+from tests.test_lossless import OracleDraft, assert_caches_hold_the_committed_tokens, assert_lossless, take
 
 GREEDY = Sampler()
 
@@ -100,13 +100,7 @@ def test_rollback_state_on_the_emulated_metal_path(mac_pair, prompts):
     cache, committed = target.make_cache(), []
     for i, commit in enumerate(speculative(target, oracle, prompt, GREEDY, block_tokens=4, cache=cache)):
         committed.extend(commit.tokens)
-        direct = target.make_cache()
-        fed = mx.concatenate([prompt, mx.array(committed[:-1], dtype=prompt.dtype)])
-        target(fed[None], direct)
-        for (name, offset, got), (_, want_offset, want) in zip(_cache_tensors(cache), _cache_tensors(direct)):
-            assert offset == want_offset == fed.size, name
-            np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), atol=tolerance, rtol=tolerance,
-                                       err_msg=f"cycle {i}: {name}")
+        assert_caches_hold_the_committed_tokens(target, cache, prompt, committed[:-1], tolerance, f"cycle {i}")
         if i == 8:
             break
 

@@ -120,15 +120,29 @@ def test_w4_draft_is_lossless(tmp_path, target, target_config, prompts, referenc
 
 
 def _cache_tensors(cache):
+    def host(x):
+        return np.array(x.astype(mx.float32))  # numpy has no bfloat16
+
     out = []
     for c in cache:
         if isinstance(c, GatedDeltaCache):
-            out.append(("conv", c.offset, np.array(c.conv_state)))
-            out.append(("state", c.offset, np.array(c.state)))
+            out.append(("conv", c.offset, host(c.conv_state)))
+            out.append(("state", c.offset, host(c.state)))
         else:
-            out.append(("keys", c.offset, np.array(c.keys[..., : c.offset, :])))
-            out.append(("values", c.offset, np.array(c.values[..., : c.offset, :])))
+            out.append(("keys", c.offset, host(c.keys[..., : c.offset, :])))
+            out.append(("values", c.offset, host(c.values[..., : c.offset, :])))
     return out
+
+
+def assert_caches_hold_the_committed_tokens(target, cache, prompt, committed, tolerance, label):
+    """``cache`` equals the caches of feeding ``prompt + committed`` directly."""
+    direct = target.make_cache()
+    fed = mx.concatenate([prompt, mx.array(committed, dtype=prompt.dtype)])
+    target(fed[None], direct)
+    for (name, offset, got), (_, want_offset, want) in zip(_cache_tensors(cache), _cache_tensors(direct)):
+        assert offset == want_offset == fed.size, name
+        np.testing.assert_allclose(got, want, atol=tolerance, rtol=tolerance,
+                                   err_msg=f"{label}: {name}")
 
 
 @pytest.mark.parametrize("block", [4, 8])
@@ -140,12 +154,7 @@ def test_rollback_leaves_the_caches_of_the_committed_tokens(target, prompts, ref
     for i, commit in enumerate(speculative(target, oracle, prompt, GREEDY, block_tokens=block, cache=cache)):
         committed.extend(commit.tokens)
         # Everything committed except the newest token (the next cycle's input) is in the cache.
-        direct = target.make_cache()
-        fed = mx.concatenate([prompt, mx.array(committed[:-1], dtype=prompt.dtype)])
-        target(fed[None], direct)
-        for (name, offset, got), (_, want_offset, want) in zip(_cache_tensors(cache), _cache_tensors(direct)):
-            assert offset == want_offset == fed.size, name
-            np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5, err_msg=f"cycle {i}: {name}")
+        assert_caches_hold_the_committed_tokens(target, cache, prompt, committed[:-1], 2e-5, f"cycle {i}")
         if i == 2 * block:
             break
 

@@ -20,8 +20,26 @@
 // compile here either; g++, which builds the runnable library, has no address spaces.
 #pragma once
 
-#ifdef EMU_CHECK_ADDRESS_SPACES
 typedef unsigned int uint;
+
+struct uint3 {
+  uint x, y, z;
+};
+
+namespace emu {
+// The values of Metal's thread attributes for one thread (MLX passes those a body names).
+struct Thread {
+  uint3 thread_position_in_grid, thread_position_in_threadgroup, threadgroup_position_in_grid,
+      threads_per_threadgroup, threads_per_grid, grid_size, grid_origin, threadgroups_per_grid,
+      dispatch_threads_per_threadgroup;
+  uint thread_index_in_threadgroup, thread_index_in_simdgroup, simdgroup_index_in_threadgroup,
+      simdgroups_per_threadgroup, threads_per_simdgroup, thread_execution_width, thread_index_in_quadgroup,
+      quadgroup_index_in_threadgroup, quadgroups_per_threadgroup, dispatch_simdgroups_per_threadgroup,
+      dispatch_quadgroups_per_threadgroup;
+};
+}  // namespace emu
+
+#ifdef EMU_CHECK_ADDRESS_SPACES
 typedef __INT8_TYPE__ int8_t;
 typedef __INT16_TYPE__ int16_t;
 typedef __INT32_TYPE__ int32_t;
@@ -34,9 +52,6 @@ typedef _Float16 half;
 typedef _Float16 float16_t;
 typedef __bf16 bfloat;
 typedef __bf16 bfloat16_t;
-struct uint3 {
-  uint x, y, z;
-};
 namespace metal {
 inline float exp(float x) { return __builtin_expf(x); }
 inline float log(float x) { return __builtin_logf(x); }
@@ -51,15 +66,6 @@ enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2 };
 float simd_sum(float value);
 void threadgroup_barrier(mem_flags flags);
 namespace emu {
-struct Thread {
-  uint3 thread_position_in_grid, thread_position_in_threadgroup, threadgroup_position_in_grid,
-      threads_per_threadgroup, threads_per_grid, grid_size, grid_origin, threadgroups_per_grid,
-      dispatch_threads_per_threadgroup;
-  uint thread_index_in_threadgroup, thread_index_in_simdgroup, simdgroup_index_in_threadgroup,
-      simdgroups_per_threadgroup, threads_per_simdgroup, thread_execution_width, thread_index_in_quadgroup,
-      quadgroup_index_in_threadgroup, quadgroups_per_threadgroup, dispatch_simdgroups_per_threadgroup,
-      dispatch_quadgroups_per_threadgroup;
-};
 template <typename Body>
 void dispatch(uint3, uint3, int, Body body) {
   body(Thread{});
@@ -85,12 +91,6 @@ void dispatch(uint3, uint3, int, Body body) {
 #include <vector>
 
 #include <ucontext.h>
-
-typedef unsigned int uint;
-
-struct uint3 {
-  uint x, y, z;
-};
 
 typedef _Float16 half;
 typedef _Float16 float16_t;
@@ -133,17 +133,6 @@ enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2 };
 namespace emu {
 
 enum Schedule { PARALLEL = 0, LOWEST_FIRST = 1, HIGHEST_FIRST = 2 };
-
-// The values of Metal's thread attributes for one thread (MLX passes those a body names).
-struct Thread {
-  uint3 thread_position_in_grid, thread_position_in_threadgroup, threadgroup_position_in_grid,
-      threads_per_threadgroup, threads_per_grid, grid_size, grid_origin, threadgroups_per_grid,
-      dispatch_threads_per_threadgroup;
-  uint thread_index_in_threadgroup, thread_index_in_simdgroup, simdgroup_index_in_threadgroup,
-      simdgroups_per_threadgroup, threads_per_simdgroup, thread_execution_width, thread_index_in_quadgroup,
-      quadgroup_index_in_threadgroup, quadgroups_per_threadgroup, dispatch_simdgroups_per_threadgroup,
-      dispatch_quadgroups_per_threadgroup;
-};
 
 // One threadgroup's synchronisation state: the barrier and one simd_sum slot per simdgroup.
 // PARALLEL: the group's threads are OS threads and wait on condition variables. Serial
