@@ -21,6 +21,7 @@ memory would hold garbage, unless ``init_value`` is given.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import re
@@ -37,6 +38,7 @@ HERE = Path(__file__).resolve().parent
 PARALLEL, LOWEST_FIRST, HIGHEST_FIRST = 0, 1, 2
 SCHEDULES = (PARALLEL, LOWEST_FIRST, HIGHEST_FIRST)
 _BUILD_DIR = Path(tempfile.mkdtemp(prefix="dflash-metal-emu-"))
+atexit.register(shutil.rmtree, _BUILD_DIR, ignore_errors=True)  # built libraries live as long as the process
 
 # MLX: "Inputs with fewer elements are passed in the constant address space".
 MAX_CONSTANT_ARRAY_SIZE = 8
