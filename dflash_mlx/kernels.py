@@ -88,11 +88,15 @@ def gated_delta_launch(q, k, v, g, beta, state) -> Launch:
     )
 
 
+def _check_steps(steps: int, T: int) -> None:
+    if not 0 <= steps <= T:
+        raise ValueError(f"steps={steps} outside 0..{T} (the tape's length)")
+
+
 def tape_replay_launch(state, k, g, delta, steps: int) -> Launch:
     B, T, _, _ = k.shape
     Hv, Dv = delta.shape[-2:]
-    if not 0 <= steps <= T:
-        raise ValueError(f"steps={steps} outside 0..{T} (the tape's length)")
+    _check_steps(steps, T)
     return Launch(
         "tape_replay",
         (state.astype(mx.float32), k, g.astype(mx.float32), delta.astype(mx.float32), T, steps),
@@ -188,7 +192,8 @@ class MetalKernels:
                         if not _close(got, tape_replay_reference(state, k, g, want_delta, steps), 1e-4):
                             return f"its output differs from the reference (T={T}, steps={steps})"
         except Exception as e:  # a compile error surfaces here, at the first evaluation
-            return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            return f"{type(e).__name__}: {' | '.join(lines[:3])}"  # the compiler's header and first errors
         return None
 
     def gated_delta(self, q, k, v, g, beta, state):
@@ -268,8 +273,7 @@ class Recurrence:
 
     def tape_replay(self, state, k, g, delta, steps: int):
         """State after the first ``steps`` taped steps, starting from ``state``."""
-        if not 0 <= steps <= k.shape[1]:
-            raise ValueError(f"steps={steps} outside 0..{k.shape[1]} (the tape's length)")
+        _check_steps(steps, k.shape[1])
         if steps == 0:
             return state
         chunked = self.chunked and steps > 1

@@ -106,7 +106,7 @@ class GeneratedKernel:
         template_def = ""
         if template:
             template_def = "<" + ", ".join(_template_value(v) for _, v in template) + ">"
-            kernel_name += "_" + re.sub(r"[<>]|, ", "_", template_def).rstrip("_")
+            kernel_name += "_" + re.sub(r"[<>]|, ", "_", template_def)[:-1]  # MLX's make_template_hash: pop_back
         for arr in inputs:
             kernel_name += "_" + TYPE_STRINGS[arr.dtype][0] + ("s" if arr.ndim == 0 else "c" if arr.size < MAX_CONSTANT_ARRAY_SIZE else "")
         for dtype in output_dtypes:
