@@ -318,6 +318,10 @@ def doctor(
 
     if context < 1:
         _fail(f"--context must be at least 1 (got {context})")
+    if memory_gb is not None and memory_gb <= 0:
+        _fail(f"--memory-gb must be positive (got {memory_gb})")
+    if probe_tokens < 0:
+        _fail(f"--probe-tokens must be 0 or more (got {probe_tokens})")
     if model is None and draft is not None:
         _fail("--draft needs --model (the target it drafts for)")
     try:

@@ -40,7 +40,10 @@ def test_doctor_says_a_pair_does_not_fit_and_exits_non_zero():
 
 def test_doctor_refuses_bad_options():
     for args, message in ((["--context", "0"], "--context"), (["--draft", "x"], "--draft needs --model"),
-                          (["--model", "/no/such/folder"], "/no/such/folder")):
+                          (["--model", "/no/such/folder"], "/no/such/folder"),
+                          (["--memory-gb", "0"], "--memory-gb must be positive"),
+                          (["--probe-tokens", "-1"], "--probe-tokens"),
+                          (["--model", "demo", "--draft-quant", "w7", "--probe-tokens", "0"], "w7")):
         done = cli("doctor", *args)
         assert done.returncode != 0 and message in done.stderr, (args, done.stderr)
 
