@@ -1,0 +1,429 @@
+"""How many tokens each speculative cycle drafts: fixed, or chosen from what cycles cost and yield.
+
+A cycle of block size ``b`` commits ``1 + accepted`` tokens and costs a draft pass, a verify pass
+of ``b`` tokens, a rollback and a hand-off; ``b = 1`` is a plain decode step (whose tapped
+features still reach the draft, so drafting can resume at any time). ``AutoBlock`` picks, each
+cycle, the ``b`` in ``1..cap`` that maximises expected committed tokens per second,
+``E[tokens | b] / cost(b)``, from two kinds of statistics:
+
+- ``CycleCosts``: wall time per cycle, measured on this machine with this pair, as a function of
+  ``b``, following the context as it grows. A property of the machine and the pair: kept across
+  requests.
+- ``SlotAcceptance``: the chance that draft slot ``i`` is accepted given that the slots before it
+  were, so that one cycle at ``b = 8`` also informs ``b = 4``. A property of the request: each
+  one starts fresh, with the previous request's as a weak prior.
+
+A bounded share of cycles (at most ``PROBE_SHARE``, less while nothing surprises) probes other
+sizes, so a workload that changes is noticed within a few dozen cycles. Nothing here touches
+MLX or a model: decisions are pure functions of the statistics, testable on synthetic streams.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Protocol, Sequence, Union
+
+import random
+
+PROBE_SHARE = 0.05  # the most cycles that may go to probing, in the long run
+PROBE_GAP_MIN, PROBE_GAP_MAX = 20, 50  # cycles between probes: 5% right after a surprise, 2% when settled
+PROBE_GAP_GROWTH = 1.5  # each unsurprising probe stretches the gap by this much
+PROBE_BURST = 2.0  # probes that may be saved up and spent right after a surprise
+SURPRISE = 0.1  # accepted at least this far with less than this chance: the workload changed
+DEEP_PRIOR = 3.0  # cycles the prior of slots 2.. is worth
+FORGET = 0.97  # per cycle: acceptance remembers about the last 30 cycles
+DECAY_EVERY = 8  # cycles between applications of FORGET ** DECAY_EVERY (the controller must be cheap)
+
+
+
+class BlockChooser(Protocol):
+    """What the decode loop asks for a block size and tells what the cycle did."""
+
+    def choose(self) -> int: ...
+
+    def shadow_tokens(self) -> int: ...
+
+    def observe(
+        self, block: int, accepted: int, seconds: float,
+        committed: Sequence[int] = (), proposals: Sequence[int] = (),
+    ) -> None: ...
+
+
+@dataclass(frozen=True)
+class BlockTokens:
+    """A parsed ``block_tokens`` setting: ``N`` (exactly N), ``auto`` or ``auto:N`` (at most N)."""
+
+    auto: bool
+    tokens: Optional[int] = None  # fixed size, or auto's cap (None: the draft's block size)
+
+    @classmethod
+    def parse(cls, value: Union[None, int, str, "BlockTokens"]) -> "BlockTokens":
+        if isinstance(value, BlockTokens):
+            return value
+        if value is None:
+            return cls(auto=True)
+        if isinstance(value, bool):
+            raise ValueError(f"block_tokens {value!r}: expected an integer, 'auto' or 'auto:N'")
+        if isinstance(value, int):
+            tokens, auto = value, False
+        else:
+            text = str(value).strip().lower()
+            auto = text == "auto" or text.startswith("auto:")
+            digits = text[5:] if text.startswith("auto:") else (None if auto else text)
+            try:
+                tokens = None if digits is None else int(digits)
+            except ValueError:
+                raise ValueError(f"block_tokens {value!r}: expected an integer, 'auto' or 'auto:N'") from None
+        if tokens is not None and tokens < 1:
+            raise ValueError(f"block_tokens {value!r}: a block is at least 1 token")
+        return cls(auto=auto, tokens=tokens)
+
+    def cap(self, draft_block_size: int) -> int:
+        """The largest block this setting may use with a draft of ``draft_block_size``."""
+        tokens = draft_block_size if self.tokens is None else self.tokens
+        if tokens > draft_block_size:
+            raise ValueError(f"block_tokens {str(self)!r}: more than the draft's block size {draft_block_size}")
+        return tokens
+
+    def __str__(self) -> str:
+        if not self.auto:
+            return str(self.tokens)
+        return "auto" if self.tokens is None else f"auto:{self.tokens}"
+
+
+class FixedBlock:
+    """Every cycle drafts the same block: what ``--block-tokens N`` means."""
+
+    def __init__(self, block: int):
+        self.block = block
+
+    def choose(self) -> int:
+        return self.block
+
+    def shadow_tokens(self) -> int:
+        return 0
+
+    def observe(self, *args, **kwargs) -> None:
+        pass
+
+
+def _solve(a: List[List[float]], b: List[float]) -> List[float]:
+    """``a x = b`` for a small symmetric positive definite ``a`` (Gaussian elimination).
+
+    Plain Python on purpose: numpy's per-call overhead, measured inside the decode loop, was
+    50 us for a 5x5 outer product, a sizeable share of a small model's decode step."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for k in range(n):
+        pivot = m[k][k]
+        for i in range(k + 1, n):
+            ratio = m[i][k] / pivot
+            if ratio:
+                for j in range(k, n + 1):
+                    m[i][j] -= ratio * m[k][j]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (m[i][n] - sum(m[i][j] * x[j] for j in range(i + 1, n))) / m[i][i]
+    return x
+
+
+class CycleCosts:
+    """Seconds per cycle as a function of block size, measured online on this machine and pair.
+
+    Two parts: each measured size's recent mean (an exponential average), and a line fitted by
+    weighted least squares, ``cost = a + s*[b>1] + c*(b-1)`` (a decode step; the draft pass and
+    hand-off; each verified token), for sizes never measured. A size's prediction moves from the
+    line to its own mean as measurements come in, so kernels that change with the row count are
+    seen where they matter. Both forget, which is how costs follow the context as it grows: a
+    context term in the fit was tried and dropped, since within a request the context spans too
+    little to separate from the intercept and its fitted slope came out negative. A weak ridge
+    makes the line defined from the first measurement and, with ``b - 1`` unscaled, puts what
+    one size cannot tell apart on the per-token slope: sizes between those measured look
+    cheaper than a flat line would say, and get tried. The first measurement of each size is
+    skipped (it pays for compiling); outliers (a paused consumer, a page fault) are clipped at
+    3x the prediction.
+
+    The controller must cost far less than a cycle (a few milliseconds on a small model, where
+    Python inside the decode loop ran about 3x slower than in isolation): a size measured
+    ``SETTLED`` times keeps every ``SAMPLE``-th of its cycles only, and the line is solved every
+    ``REFIT`` measurements. ``version`` changes whenever a prediction may have.
+    """
+
+    SETTLED, SAMPLE, REFIT = 8, 8, 4
+
+    def __init__(self, forget: float = 0.98, ridge: float = 1e-3):
+        self.forget, self.ridge = forget, ridge
+        self.gram = [[0.0] * 3 for _ in range(3)]  # upper triangle used
+        self.moment = [0.0] * 3
+        self.weight = 0.0  # decayed number of measurements in the fit
+        self.theta = [0.0] * 3
+        self.recent: Dict[int, float] = {}  # block size -> recent mean seconds
+        self.measured: Dict[int, int] = {}  # block size -> measurements kept
+        self.cycles: Dict[int, int] = {}  # block size -> cycles seen
+        self.smallest = float("inf")
+        self.version = 0
+        self._since_fit = 0
+
+    def line(self, block: int) -> float:
+        a, s, c = self.theta
+        return a if block == 1 else a + s + c * (block - 1)
+
+    def observe(self, block: int, seconds: float) -> None:
+        seen = self.cycles[block] = self.cycles.get(block, 0) + 1
+        if seen == 1:
+            return  # the first cycle of a size compiles
+        if self.measured.get(block, 0) >= self.SETTLED and seen % self.SAMPLE:
+            return
+        if self.weight >= 8:
+            seconds = min(seconds, 3.0 * self.predict(block, block)[0])
+        drafting = 1.0 if block > 1 else 0.0
+        x, f = (1.0, drafting, drafting * (block - 1)), self.forget
+        for i, row in enumerate(self.gram):
+            for j in range(i, 3):
+                row[j] = f * row[j] + x[i] * x[j]
+        self.moment = [f * m + xi * seconds for m, xi in zip(self.moment, x)]
+        self.weight = f * self.weight + 1.0
+        kept = self.measured[block] = self.measured.get(block, 0) + 1
+        if kept == 1 or self._since_fit + 1 >= self.REFIT:  # a new size, or due
+            g = self.gram
+            ridged = [[g[min(i, j)][max(i, j)] + (self.ridge if i == j else 0.0) for j in range(3)] for i in range(3)]
+            self.theta = _solve(ridged, self.moment)
+            self._since_fit = 0
+        else:
+            self._since_fit += 1
+        old = self.recent.get(block, seconds)
+        self.recent[block] = old + max(1.0 / kept, 0.2) * (seconds - old)
+        self.smallest = min(self.smallest, seconds)
+        self.version += 1
+
+    def predict(self, first: int, last: int) -> List[float]:
+        """Predicted seconds per cycle for ``b = first..last``."""
+        if not self.weight:
+            return [1.0] * (last - first + 1)  # nothing measured: all sizes alike
+        out = []
+        for b in range(first, last + 1):
+            kept = self.measured.get(b, 0)
+            own = kept / (kept + 1.0)
+            cost = own * self.recent[b] + (1.0 - own) * self.line(b) if kept else self.line(b)
+            out.append(max(cost, 0.5 * self.smallest))
+        return out
+
+
+class SlotAcceptance:
+    """``P(slot i accepted | slots 1..i-1 accepted)`` per draft slot, forgetting with time.
+
+    Each slot's prior has the estimate of the slot before it as its mean (1/2 for the first,
+    worth one cycle; ``DEEP_PRIOR`` cycles for the others, which are tried rarely and whose few
+    outcomes would otherwise swing every slot after them): a slot is rarely more reliable than
+    the one before it, so slots never tried are not assumed to be coin flips. Counts decay per cycle (``decay``), not
+    per observation: what has not been checked lately drifts back toward the prior, so a
+    controller sitting at ``b = 1`` grows optimistic again and looks, at a price that is lower
+    the cheaper drafting is on this machine.
+
+    A cycle that drafted ``d`` tokens and accepted ``n`` tried slots ``1..min(n+1, d)`` and
+    accepted slots ``1..n``; slots past the first rejection were not tried at all.
+    """
+
+    def __init__(self):
+        self.accepted: List[float] = []
+        self.tried: List[float] = []
+        self.version = 0
+
+    def probabilities(self, slots: int) -> List[float]:
+        grow = slots - len(self.tried)
+        if grow > 0:
+            self.accepted += [0.0] * grow
+            self.tried += [0.0] * grow
+        out, prior, strength = [], 0.5, 1.0
+        for a, t in zip(self.accepted[:slots], self.tried[:slots]):
+            prior = (a + strength * prior) / (t + strength)
+            out.append(prior)
+            strength = DEEP_PRIOR
+        return out
+
+    def expected_tokens(self, cap: int) -> List[float]:
+        """``E[committed tokens | b]`` for ``b = 1..cap``: 1 + expected accepted of ``b-1`` slots."""
+        out, reach, total = [1.0], 1.0, 1.0
+        for p in self.probabilities(cap - 1):
+            reach *= p
+            total += reach
+            out.append(total)
+        return out
+
+    def chance_of_at_least(self, drafted: int, accepted: int) -> float:
+        """The model's probability that ``drafted`` slots yield ``accepted`` or more."""
+        reach = 1.0
+        for p in self.probabilities(drafted)[:accepted]:
+            reach *= p
+        return reach
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.probabilities(drafted)  # grows the lists
+        for i in range(min(accepted + 1, drafted)):
+            self.tried[i] += 1.0
+            if i < accepted:
+                self.accepted[i] += 1.0
+        self.version += 1
+
+    def decay(self, factor: float) -> None:
+        self.tried = [t * factor for t in self.tried]
+        self.accepted = [a * factor for a in self.accepted]
+        self.version += 1
+
+    def restart(self) -> None:
+        """After a change of workload: back to the prior, so that the next cycles decide alone."""
+        self.tried = [0.0] * len(self.tried)
+        self.accepted = [0.0] * len(self.accepted)
+        self.version += 1
+
+    def as_prior(self, weight: float = 2.0) -> "SlotAcceptance":
+        """A fresh copy whose counts weigh at most ``weight`` cycles per slot."""
+        prior = SlotAcceptance()
+        scale = [min(1.0, weight / t) if t > 0 else 0.0 for t in self.tried]
+        prior.tried = [t * s for t, s in zip(self.tried, scale)]
+        prior.accepted = [a * s for a, s in zip(self.accepted, scale)]
+        return prior
+
+
+@dataclass
+class BlockStats:
+    """What ``AutoBlock`` keeps between requests: the costs, the last acceptance, the seed."""
+
+    costs: CycleCosts = field(default_factory=CycleCosts)
+    acceptance: SlotAcceptance = field(default_factory=SlotAcceptance)
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+
+    @classmethod
+    def seeded(cls, seed: int) -> "BlockStats":
+        return cls(rng=random.Random(seed))
+
+
+class AutoBlock:
+    """Per cycle, the block size with the most expected committed tokens per second.
+
+    One instance per request: it starts a fresh ``SlotAcceptance`` from ``stats``' last one (as a
+    prior) and shares ``stats.costs`` with every other request on this pair.
+
+    Probes come every ``gap`` cycles (20, stretching to 50 while they confirm the model), from a
+    bucket that refills at ``PROBE_SHARE`` per cycle. While drafting, a probe runs a random other
+    size. At ``b = 1`` a greedy request probes with a *shadow*: the plain step also drafts
+    ``cap - 1`` tokens without verifying them, and the tokens the target commits next say
+    exactly how many a cycle of ``cap`` would have accepted, for the price of one draft pass
+    (greedy verification accepts the longest prefix equal to the target's own tokens). Sampled
+    requests probe at ``b = 2`` instead (their acceptance is a coin flip per token, not a match),
+    and follow an accepted one at once with a probe at ``cap``.
+    A surprise (a probe or cycle accepting far more than the model expected: the workload
+    changed) makes the acceptance start over from its prior, and the next probe comes at once, at
+    ``cap`` (a shadow at ``b = 1``); a request starts that way too, unless it starts at ``cap``.
+    A drop in acceptance needs no such help: the drafting cycles themselves measure it.
+    """
+
+    def __init__(self, stats: BlockStats, cap: int, shadow: bool = True):
+        if cap < 1:
+            raise ValueError(f"auto block cap must be at least 1, got {cap}")
+        self.stats, self.cap, self.can_shadow = stats, cap, shadow and cap > 1
+        self.acceptance = stats.acceptance.as_prior()
+        stats.acceptance = self.acceptance  # the next request's prior is this one's result
+        self.bucket = PROBE_BURST  # probes available now; refills at PROBE_SHARE per cycle
+        self.gap = float(PROBE_GAP_MIN)
+        self.since_probe = 0
+        self.probing = False
+        self.surprised = True  # a new request may be a new workload: probe at once unless at cap
+        self.shadowing = 0  # draft tokens the current step shadows
+        self.shadow: List[int] = []  # shadow proposals not yet compared with committed tokens
+        self.shadow_matched = 0
+        self._best = (None, 1)  # (what it was computed from, the size)
+        self.cycles = 0
+
+    def values(self) -> List[float]:
+        """Expected committed tokens per second for ``b = 1..cap``."""
+        costs = self.stats.costs.predict(1, self.cap)
+        return [e / c for e, c in zip(self.acceptance.expected_tokens(self.cap), costs)]
+
+    def best(self) -> int:
+        """The best size; recomputed only when the statistics moved."""
+        key = (self.stats.costs.version, self.acceptance.version)
+        if self._best[0] != key:
+            values = self.values()
+            self._best = (key, 1 + values.index(max(values)))
+        return self._best[1]
+
+    def choose(self) -> int:
+        self.cycles += 1
+        if self.cycles % DECAY_EVERY == 0:
+            self.acceptance.decay(FORGET**DECAY_EVERY)
+        best = self.best()
+        self.bucket = min(self.bucket + PROBE_SHARE, PROBE_BURST)
+        self.since_probe += 1
+        self.shadowing = 0
+        if self.surprised and best == self.cap:
+            self.surprised = False  # more acceptance than expected, at cap already: nothing to probe
+        self.probing = self.cap > 1 and self.bucket >= 1.0 and (self.surprised or self.since_probe >= self.gap)
+        if self.probing and best == 1 and self.can_shadow and self.shadow:
+            self.probing = False  # the last shadow is still being compared
+        if not self.probing:
+            return best
+        self.bucket -= 1.0
+        self.since_probe = 0
+        surprised, self.surprised = self.surprised, False
+        if best == 1 and self.can_shadow:
+            self.shadowing = self.cap - 1
+            return 1
+        if surprised and best != self.cap:
+            return self.cap
+        if best == 1:  # one drafted token: whether the first slot is accepted decides it all
+            return 2
+        return self.stats.rng.choice([b for b in range(1, self.cap + 1) if b != best])
+
+    def shadow_tokens(self) -> int:
+        """Draft tokens to propose, unverified, alongside the plain step just chosen (0: none)."""
+        return self.shadowing
+
+    def observe(
+        self, block: int, accepted: int, seconds: float,
+        committed: Sequence[int] = (), proposals: Sequence[int] = (),
+    ) -> None:
+        """What a cycle did: its size, accepted drafts, wall time and the tokens it committed;
+        ``proposals``: the shadow drafted alongside it (then its time is not a plain step's)."""
+        if proposals:
+            self.shadow, self.shadow_matched = list(proposals), 0
+        if self.shadow:
+            self._compare_shadow(committed)
+        if block > 1:
+            self._learn(block - 1, accepted)
+        if not proposals:
+            self.stats.costs.observe(block, seconds)
+
+    def _compare_shadow(self, committed: Sequence[int]) -> None:
+        for token in committed:
+            i = self.shadow_matched
+            if token != self.shadow[i]:
+                break
+            self.shadow_matched = i + 1
+            if self.shadow_matched == len(self.shadow):
+                break
+        else:
+            return  # every committed token matched: more to compare
+        drafted, self.shadow = len(self.shadow), []
+        self._learn(drafted, self.shadow_matched, probe=True)
+
+    def _learn(self, drafted: int, accepted: int, probe: bool = False) -> None:
+        surprise = accepted > 0 and self.acceptance.chance_of_at_least(drafted, accepted) < SURPRISE
+        if surprise:  # a new workload: this cycle and the next ones decide alone
+            self.acceptance.restart()
+            self.surprised = True
+            self.gap = float(PROBE_GAP_MIN)
+        elif probe or self.probing:
+            self.gap = min(self.gap * PROBE_GAP_GROWTH, PROBE_GAP_MAX)
+            if self.probing and self._best[1] == 1 and accepted:  # a sampled probe at b = 2 from b = 1:
+                self.surprised = True  # one slot cannot tell copying from a lucky token; look at cap
+        self.acceptance.observe(drafted, accepted)
+
+
+def describe(histogram: Dict[int, int]) -> str:
+    """``blocks 4:71% 1:29%``: the share of cycles at each size, most used first."""
+    total = sum(histogram.values())
+    if not total:
+        return "blocks -"
+    ordered = sorted(histogram.items(), key=lambda kv: (-kv[1], -kv[0]))
+    return "blocks " + " ".join(f"{b}:{100 * n / total:.0f}%" for b, n in ordered)
