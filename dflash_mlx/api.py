@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
@@ -14,6 +14,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from . import defaults, device, loading
+from .block_policy import AutoBlock, BlockStats, BlockTokens
 from .models.dflash import DFlashDraft, quantize_draft
 from .models.qwen3_5 import Model as Target
 from .prompt_cache import PromptCache
@@ -32,6 +33,9 @@ class DFlashModel:
     draft_window: Optional[int] = None
     target_path: Optional[Path] = None
     draft_path: Optional[Path] = None
+    # What `block_tokens="auto"` learned on this pair: cycle costs (kept across requests) and the
+    # last request's acceptance (the next one's prior).
+    block_stats: BlockStats = field(default_factory=BlockStats)
 
 
 @dataclass
@@ -43,6 +47,8 @@ class GenerationResponse(MlxLmResponse):
     drafted_tokens: int = 0  # drafted tokens that were verified
     tokens_per_cycle: float = 0.0  # committed tokens per target step
     cached_prompt_tokens: int = 0  # prompt tokens reused from a PromptCache (not prefilled)
+    block_tokens: int = 0  # size of the cycle that committed this token (0: the prompt's token)
+    block_histogram: Dict[int, int] = field(default_factory=dict)  # cycles so far per block size
 
     @property
     def acceptance_rate(self) -> float:
@@ -61,6 +67,7 @@ class RunTotals:
     cycles: int = 0
     accepted: int = 0
     drafted: int = 0
+    block_histogram: Dict[int, int] = field(default_factory=dict)
 
     def add(self, last: GenerationResponse) -> None:
         """Add a generation, given its last response (its counters are cumulative)."""
@@ -72,6 +79,8 @@ class RunTotals:
         self.cycles += last.cycles
         self.accepted += last.accepted_tokens
         self.drafted += last.drafted_tokens
+        for block, cycles in last.block_histogram.items():
+            self.block_histogram[block] = self.block_histogram.get(block, 0) + cycles
 
     @property
     def tokens_per_second(self) -> float:
@@ -210,7 +219,7 @@ def stream_generate(
     tokenizer: TokenizerWrapper,
     prompt: Prompt,
     max_tokens: int = 256,
-    block_tokens: Optional[int] = None,
+    block_tokens: Union[None, int, str] = "auto",
     sampler: Optional[Sampler] = None,
     temp: float = 0.0,
     top_p: float = 1.0,
@@ -229,6 +238,9 @@ def stream_generate(
     With a draft (and ``use_draft``) the tokens come from DFlash speculative decoding; the
     output is exactly what the target alone produces (greedy) or follows its distribution
     (sampling). ``from_draft`` is True for drafted tokens that the target accepted.
+    ``block_tokens``: ``"auto"`` (default) picks each cycle's block size from measured cycle
+    costs and acceptance, down to 1 (plain decoding) when drafting does not pay; ``"auto:N"``
+    caps it at N; an integer N drafts exactly N tokens per cycle (1: the target alone).
     ``prompt_cache`` (a ``PromptCache``) keeps the caches between calls: a prompt that extends an
     earlier one (the next chat turn, the same file context) only prefills what is new;
     ``checkpoint_at`` lists prompt positions worth a checkpoint (e.g. where the next turn's
@@ -245,11 +257,16 @@ def stream_generate(
     if seed is not None:
         mx.random.seed(seed)
     ids = encode_prompt(tokenizer, prompt, enable_thinking)
+    setting = BlockTokens.parse(block_tokens)
     draft = model.draft if use_draft else None
-    if draft is None and block_tokens not in (None, 1) and use_draft:
-        raise ValueError("block_tokens needs a draft model")
-    if draft is not None and block_tokens == 1:
-        draft = None  # no draft slot: plain decoding
+    if draft is None and use_draft and not setting.auto and setting.tokens != 1:
+        raise ValueError(f"block_tokens {str(setting)!r} needs a draft model")
+    if draft is not None:
+        cap = setting.cap(draft.block_size)
+        if cap == 1:
+            draft = None  # no draft slot: plain decoding
+        else:
+            chooser = AutoBlock(model.block_stats, cap) if setting.auto else cap
     cache = draft_cache = on_chunk = None
     reused = 0
     if prompt_cache is not None:
@@ -262,7 +279,7 @@ def stream_generate(
     split_at = [p - reused for p in (*checkpoint_at, ids.size - 1)] if prompt_cache is not None else []
     if draft is not None:
         steps = speculative(
-            model.target, draft, feed, sampler, block_tokens, prefill_step_size, model.draft_window,
+            model.target, draft, feed, sampler, chooser, prefill_step_size, model.draft_window,
             cache, draft_cache, on_chunk, split_at,
         )
     else:
@@ -275,6 +292,7 @@ def stream_generate(
     tic = time.perf_counter()
     prompt_tps = 0.0
     n = cycles = accepted = drafted = 0
+    histogram: Dict[int, int] = {}
     pending: List[int] = []  # the last committed token: the next step feeds it
     for commit in steps:
         if prompt_cache is not None:
@@ -287,6 +305,7 @@ def stream_generate(
             tic = time.perf_counter()
         else:
             cycles += 1
+            histogram = {**histogram, commit.drafted + 1: histogram.get(commit.drafted + 1, 0) + 1}
         accepted += commit.accepted
         drafted += commit.drafted
         for i, token in enumerate(commit.tokens):
@@ -321,6 +340,8 @@ def stream_generate(
                 drafted_tokens=drafted,
                 tokens_per_cycle=(n - 1) / cycles if cycles else 0.0,
                 cached_prompt_tokens=reused,
+                block_tokens=commit.drafted + 1 if cycles else 0,
+                block_histogram=histogram,
             )
             if finish is not None:
                 return

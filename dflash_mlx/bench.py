@@ -64,14 +64,17 @@ class Run:
     suite: str
     prompt_index: int
     mode: str  # "baseline" or "dflash"
-    block_tokens: Optional[int]
+    block_tokens: Optional[str]  # "4", "auto", "auto:8"; None for the baseline
     tokens: int
     tps: float
     prompt_tps: float
     tokens_per_cycle: float
     acceptance_rate: float
     peak_memory_gb: float
+    context_tokens: int = 0  # real file context put before the prompt
+    prompt_tokens: int = 0
     accepted_lengths: List[int] = field(default_factory=list)
+    block_histogram: Dict[int, int] = field(default_factory=dict)  # cycles per block size
     output: List[int] = field(default_factory=list)
 
 
@@ -89,11 +92,62 @@ def measure(
             lengths.append(last.accepted_tokens - accepted)
             accepted, cycles = last.accepted_tokens, last.cycles
     return Run(
-        suite="", prompt_index=0, mode="dflash" if use_draft else "baseline", block_tokens=block_tokens,
+        suite="", prompt_index=0, mode="dflash" if use_draft else "baseline",
+        block_tokens=str(block_tokens) if use_draft else None,
         tokens=last.generation_tokens, tps=last.generation_tps, prompt_tps=last.prompt_tps,
         tokens_per_cycle=last.tokens_per_cycle, acceptance_rate=last.acceptance_rate,
-        peak_memory_gb=last.peak_memory, accepted_lengths=lengths if use_draft else [], output=tokens,
+        peak_memory_gb=last.peak_memory, prompt_tokens=last.prompt_tokens,
+        accepted_lengths=lengths if use_draft else [],
+        block_histogram=dict(last.block_histogram) if use_draft else {}, output=tokens,
     )
+
+
+def default_blocks(draft_block_size: int) -> List[str]:
+    """The fixed sizes worth a row (2, 3, 4, 8, 16 and the draft's own, up to it) and ``auto``."""
+    fixed = sorted({b for b in (2, 3, 4, 8, 16, draft_block_size) if 2 <= b <= draft_block_size})
+    return [str(b) for b in fixed] + ["auto"]
+
+
+def parse_context_sizes(text: str) -> List[int]:
+    """``"1k,4k,8k"`` -> ``[1024, 4096, 8192]`` (``k`` is 1024 tokens); empty -> ``[0]``."""
+    sizes = []
+    for item in (t.strip().lower() for t in text.split(",")):
+        if not item:
+            continue
+        try:
+            size = int(item.removesuffix("k")) * (1024 if item.endswith("k") else 1)
+        except ValueError:
+            raise ValueError(f"context size {item!r}: expected a token count such as 512, 1k or 4k") from None
+        if size < 0:
+            raise ValueError(f"context size {item!r} is negative")
+        sizes.append(size)
+    return sizes or [0]
+
+
+CONTEXT_MODULES = ("argparse", "dataclasses", "inspect", "functools", "typing", "pathlib", "textwrap", "enum")
+
+
+def file_context(tokenizer, tokens: int) -> str:
+    """About ``tokens`` tokens of real Python source (this interpreter's standard library, the same
+    files in the same order every run), cut on a token boundary."""
+    import importlib
+
+    if tokens == 0:
+        return ""
+    ids: List[int] = []
+    for name in CONTEXT_MODULES:
+        path = Path(importlib.import_module(name).__file__)
+        ids += tokenizer.encode(f"# {path.name}\n{path.read_text()}\n", add_special_tokens=False)
+        if len(ids) >= tokens:
+            return tokenizer.decode(ids[:tokens])
+    raise ValueError(f"the standard library files used as context hold only {len(ids)} tokens, fewer than {tokens}")
+
+
+def with_context(prompt: str, context: str) -> str:
+    """The prompt after a block of repository files, as an editor's assistant sends it."""
+    if not context:
+        return prompt
+    return f"Files from the repository, for context:\n\n```python\n{context}\n```\n\n{prompt}"
 
 
 NO_BLAS_LOADED = "none loaded"
@@ -132,27 +186,40 @@ def load_prompt_file(path: Path) -> List[str]:
     return [text]
 
 
+def _block_order(block: str):
+    return (1, block) if block.startswith("auto") else (0, int(block))
+
+
 def summarize(runs: List[Run]) -> List[Dict]:
-    """One row per suite and block size: medians over prompts, identical-output check."""
+    """One row per suite, context length and block setting: medians over every prompt and repeat
+    on both sides (the baseline is not reduced to one repeat per prompt), identical-output check,
+    and the share of cycles at each block size."""
     rows = []
-    keys = sorted({(r.suite, r.block_tokens) for r in runs if r.mode == "dflash"}, key=lambda k: (k[0], k[1] or 0))
-    for suite, block in keys:
-        spec = [r for r in runs if r.suite == suite and r.mode == "dflash" and r.block_tokens == block]
-        base = {r.prompt_index: r for r in runs if r.suite == suite and r.mode == "baseline"}
-        base_tps = statistics.median(b.tps for b in base.values())
+    keys = {(r.suite, r.context_tokens, r.block_tokens) for r in runs if r.mode == "dflash"}
+    for suite, context, block in sorted(keys, key=lambda k: (k[0], k[1], _block_order(k[2]))):
+        spec = [r for r in runs if (r.suite, r.context_tokens, r.block_tokens, r.mode) == (suite, context, block, "dflash")]
+        base = [r for r in runs if (r.suite, r.context_tokens, r.mode) == (suite, context, "baseline")]
+        reference = {r.prompt_index: r.output for r in base}
+        base_tps = statistics.median(b.tps for b in base)
         spec_tps = statistics.median(s.tps for s in spec)
-        lengths = [n for s in spec for n in s.accepted_lengths]
+        histogram: Dict[int, int] = {}
+        for s in spec:
+            for b, n in s.block_histogram.items():
+                histogram[b] = histogram.get(b, 0) + n
+        total = sum(histogram.values()) or 1
         rows.append({
             "suite": suite,
+            "context_tokens": context,
             "block_tokens": block,
             "baseline_tps": base_tps,
             "dflash_tps": spec_tps,
             "speedup": spec_tps / base_tps if base_tps else 0.0,
             "tokens_per_cycle": statistics.mean(s.tokens_per_cycle for s in spec),
             "acceptance_rate": statistics.mean(s.acceptance_rate for s in spec),
-            "peak_memory_gb": max(r.peak_memory_gb for r in spec + list(base.values())),
-            "identical": all(s.output == base[s.prompt_index].output for s in spec),
-            "accepted_lengths": lengths,
+            "peak_memory_gb": max(r.peak_memory_gb for r in spec + base),
+            "identical": all(s.output == reference[s.prompt_index] for s in spec),
+            "block_shares": {str(b): n / total for b, n in sorted(histogram.items())},
+            "accepted_lengths": [n for s in spec for n in s.accepted_lengths],
         })
     return rows
 
@@ -169,7 +236,10 @@ def plot(path: Path, rows: List[Dict]) -> None:
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise RuntimeError("--plot needs matplotlib: pip install 'dflash-mlx[plot]'") from e
-    labels = [f"{r['suite']}\nblock {r['block_tokens'] or 'draft'}" for r in rows]
+    labels = [
+        r["suite"] + (f" +{r['context_tokens']}" if r["context_tokens"] else "") + f"\nblock {r['block_tokens']}"
+        for r in rows
+    ]
     fig, (speed, hist) = plt.subplots(1, 2, figsize=(12, 4.5))
     x = range(len(rows))
     speed.bar([i - 0.2 for i in x], [r["baseline_tps"] for r in rows], width=0.4, label="target alone")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from .api import DFlashModel, GenerationResponse, RunTotals, stream_generate
+from .block_policy import describe
 from .prompt_cache import PromptCache
 
 HELP = """Commands:
@@ -23,6 +24,7 @@ def summary(totals: RunTotals) -> str:
     text = f"{totals.runs} turns, {totals.tokens} tokens, {totals.tokens_per_second:.1f} tok/s"
     if totals.drafted:
         text += f", {totals.tokens_per_cycle:.2f} tokens/cycle, acceptance {totals.acceptance_rate:.0%}"
+        text += f", {describe(totals.block_histogram)}"
     return text
 
 
@@ -30,7 +32,7 @@ def answer_line(r: GenerationResponse, speculative: bool) -> str:
     """The one dim line after each answer."""
     line = f"{r.generation_tokens} tokens, {r.generation_tps:.1f} tok/s"
     if speculative:
-        line += f", {r.tokens_per_cycle:.2f} tokens/cycle, acceptance {r.acceptance_rate:.0%}"
+        line += f", {r.tokens_per_cycle:.2f} tokens/cycle, acceptance {r.acceptance_rate:.0%}, {describe(r.block_histogram)}"
     line += f", prompt {r.prompt_tokens - r.cached_prompt_tokens} new + {r.cached_prompt_tokens} cached tokens"
     return line
 

@@ -34,7 +34,7 @@ def main() -> None:
 Model = Annotated[Optional[str], typer.Option("--model", "-m", help="Target: local folder, Hugging Face repo id, or 'demo' (the tiny pair shipped in the package; works offline). Default: Qwopus3.5-9B-Coder, converted to MLX 4-bit on first use.")]
 Draft = Annotated[Optional[str], typer.Option("--draft", "-d", help="DFlash draft folder or repo id. Default with the default model: z-lab's Qwen3.5-9B draft converted for Qwopus; with --model demo: the demo draft; with another --model: none (target alone).")]
 DraftQuant = Annotated[str, typer.Option("--draft-quant", help="Quantize the draft at load: w4, w8, w4:gs32 … or none.")]
-BlockTokens = Annotated[Optional[int], typer.Option("--block-tokens", "-b", help="Tokens per draft block, 1 .. the draft's block size (default: the draft's).")]
+BlockTokens = Annotated[str, typer.Option("--block-tokens", "-b", help="Tokens per draft block: 'auto' (default) picks each cycle's size from the measured cost of a cycle and the draft's acceptance, down to 1 (plain decoding) when drafting does not pay; 'auto:N' caps it at N; N drafts exactly N every cycle (1 .. the draft's block size; 1 = the target alone).")]
 MaxTokens = Annotated[int, typer.Option("--max-tokens", help="Stop an answer after this many tokens.")]
 Temp = Annotated[float, typer.Option("--temp", help="Sampling temperature; 0 is greedy.")]
 TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass (1.0 = off).")]
@@ -61,14 +61,20 @@ def _load(model: Optional[str], draft: Optional[str], draft_quant: str):
     return loaded
 
 
-def _check_block_tokens(loaded, block_tokens: Optional[int]) -> None:
+def _check_block_tokens(loaded, block_tokens: str):
+    """The parsed setting, or one clear line naming the bad value."""
+    from .block_policy import BlockTokens
+
     draft = loaded[0].draft
-    if block_tokens is None:
-        return
-    if draft is None and block_tokens != 1:
+    try:
+        setting = BlockTokens.parse(block_tokens)
+        if draft is not None:
+            setting.cap(draft.block_size)
+    except ValueError as e:
+        _fail(str(e).replace("block_tokens", "--block-tokens", 1))
+    if draft is None and not setting.auto and setting.tokens != 1:
         _fail(f"--block-tokens {block_tokens} needs a draft (--draft)")
-    if draft is not None and not 1 <= block_tokens <= draft.block_size:
-        _fail(f"--block-tokens {block_tokens} must be between 1 and the draft's block size {draft.block_size}")
+    return setting
 
 
 def _sampling(temp: float, top_p: float, top_k: int, seed: Optional[int]) -> dict:
@@ -86,7 +92,7 @@ def chat(
     model: Model = None,
     draft: Draft = None,
     draft_quant: DraftQuant = "none",
-    block_tokens: BlockTokens = None,
+    block_tokens: BlockTokens = "auto",
     max_tokens: MaxTokens = 2048,
     temp: Temp = 0.0,
     top_p: TopP = 1.0,
@@ -112,7 +118,7 @@ def generate(
     draft: Draft = None,
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="The prompt; read from stdin when omitted (its final newline dropped).")] = None,
     draft_quant: DraftQuant = "none",
-    block_tokens: BlockTokens = None,
+    block_tokens: BlockTokens = "auto",
     max_tokens: MaxTokens = 256,
     temp: Temp = 0.0,
     top_p: TopP = 1.0,
@@ -127,12 +133,13 @@ def generate(
 ) -> None:
     """Generate one completion: text to stdout, statistics to stderr."""
     from . import api
+    from .block_policy import describe
 
     sampling = _sampling(temp, top_p, top_k, seed)
     if prompt is None:  # a file or `echo` ends with a newline that is not part of the request
         prompt = sys.stdin.read().removesuffix("\n")
     loaded, tokenizer = _load(model, draft, draft_quant)
-    _check_block_tokens((loaded, tokenizer), block_tokens)
+    setting = _check_block_tokens((loaded, tokenizer), block_tokens)
     use_template = chat_template and tokenizer.chat_template is not None
     head = [{"role": "system", "content": system}] if system else []
     request = head + [{"role": "user", "content": prompt}] if use_template else prompt
@@ -153,6 +160,7 @@ def generate(
         prompt_tokens=last.prompt_tokens, prompt_tps=last.prompt_tps, generation_tokens=last.generation_tokens,
         generation_tps=last.generation_tps, peak_memory_gb=last.peak_memory, finish_reason=last.finish_reason,
         cycles=last.cycles, tokens_per_cycle=last.tokens_per_cycle, acceptance_rate=last.acceptance_rate,
+        block_tokens=str(setting), block_histogram={str(b): n for b, n in sorted(last.block_histogram.items())},
     )
     if as_json:
         print(json.dumps({"text": text, "tokens": tokens, **stats}))
@@ -160,7 +168,7 @@ def generate(
         print()
         line = f"{last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s"
         if loaded.draft is not None:
-            line += f", {last.tokens_per_cycle:.2f} tokens/cycle, acceptance {last.acceptance_rate:.0%}"
+            line += f", {last.tokens_per_cycle:.2f} tokens/cycle, acceptance {last.acceptance_rate:.0%}, {describe(last.block_histogram)}"
         typer.secho(line, dim=True, err=True)
 
 
@@ -169,7 +177,7 @@ def bench(
     model: Model = None,
     draft: Draft = None,
     draft_quant: DraftQuant = "none",
-    block_tokens: Annotated[str, typer.Option("--block-tokens", "-b", help="Block sizes to compare, comma-separated (e.g. 4,8,16); default: the draft's.")] = "",
+    block_tokens: Annotated[str, typer.Option("--block-tokens", "-b", help="Block settings to compare, comma-separated: sizes, 'auto', 'auto:N' (e.g. 4,8,auto). Default: 2, 3, 4, 8, 16 up to the draft's block size, the draft's own, and auto.")] = "",
     max_tokens: MaxTokens = 256,
     temp: Temp = 0.0,
     top_p: TopP = 1.0,
@@ -177,15 +185,17 @@ def bench(
     seed: Seed = None,
     suite: Annotated[List[str], typer.Option("--suite", "-s", help="Built-in workload(s): edit (the answer copies the prompt), code (fresh code), prose. Repeatable.")] = ["edit", "code", "prose"],
     prompt_file: Annotated[Optional[Path], typer.Option("--prompt-file", help="Extra workload 'file': a text file (one prompt) or .jsonl ({\"prompt\": ...} per line).")] = None,
-    repeats: Annotated[int, typer.Option("--repeats", help="Measure each prompt this many times (median kept).")] = 1,
+    context: Annotated[str, typer.Option("--context", help="Put this much real file context (Python standard library source) before each prompt, comma-separated token counts (e.g. 1k,4k,8k; k = 1024): shows how speedup and the chosen block move with context length. Default: none.")] = "",
+    repeats: Annotated[int, typer.Option("--repeats", help="Measure each prompt this many times (medians over all of them, both sides).")] = 1,
     chat_template: Annotated[bool, typer.Option("--chat-template/--no-chat-template", help="Wrap prompts in the chat template.")] = True,
     out: Annotated[Optional[Path], typer.Option("--out", help="Write all results as JSON here.")] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG: tok/s per suite side by side, and accepted lengths.")] = None,
 ) -> None:
-    """Target alone vs DFlash, interleaved: speed, acceptance, and (greedy) identical outputs.
+    """Target alone vs DFlash, interleaved: speed, acceptance, block sizes used, identical outputs.
 
     With --temp > 0 both sides sample (same seed per run); outputs then differ by design and
-    the 'identical' column is n/a.
+    the 'identical' column is n/a. The auto rows share what they learn about cycle costs
+    across prompts, as chat and the server do across requests.
     """
     from rich.console import Console
     from rich.progress import (
@@ -198,15 +208,18 @@ def bench(
     from rich.table import Table
 
     from . import bench as bench_lib
+    from .block_policy import describe
 
     sampling = _sampling(temp, top_p, top_k, seed)
     unknown = [s for s in suite if s not in bench_lib.SUITES]
     if unknown:
         _fail(f"unknown suite {unknown[0]!r}: choose from {', '.join(bench_lib.SUITES)}")
+    if repeats < 1:
+        _fail(f"--repeats {repeats}: at least 1")
     try:
-        blocks = [int(b) for b in block_tokens.split(",") if b.strip()] or [None]
-    except ValueError:
-        _fail(f"--block-tokens {block_tokens!r}: expected integers separated by commas")
+        contexts = bench_lib.parse_context_sizes(context)
+    except ValueError as e:
+        _fail(f"--context {context!r}: {e}")
     workloads = {name: bench_lib.SUITES[name] for name in suite}
     if prompt_file is not None:
         if not prompt_file.is_file():
@@ -215,39 +228,48 @@ def bench(
     loaded, tokenizer = _load(model, draft, draft_quant)
     if loaded.draft is None:
         _fail("bench compares with DFlash: give a draft (--draft) or use the default model")
-    for b in blocks:
-        _check_block_tokens((loaded, tokenizer), b)
+    blocks = [b.strip() for b in block_tokens.split(",") if b.strip()] or bench_lib.default_blocks(loaded.draft.block_size)
+    blocks = [str(_check_block_tokens((loaded, tokenizer), b)) for b in blocks]
+    try:
+        prefixes = {n: bench_lib.file_context(tokenizer, n) for n in contexts}
+    except ValueError as e:
+        _fail(f"--context {context!r}: {e}")
     chat = chat_template and tokenizer.chat_template is not None
     console = Console(stderr=True)
     jobs = [
-        (name, i, prompt, r)
-        for name, prompts in workloads.items() for i, prompt in enumerate(prompts) for r in range(repeats)
+        (name, n, i, bench_lib.with_context(prompt, prefixes[n]))
+        for name, prompts in workloads.items() for n in contexts for i, prompt in enumerate(prompts) for _ in range(repeats)
     ]
     runs = []
-    bench_lib.measure(loaded, tokenizer, "warm up", True, blocks[0], 8, chat, sampling)  # compile kernels once
+    for size in range(1, loaded.draft.block_size + 1):  # compile every block size once, outside the timings
+        bench_lib.measure(loaded, tokenizer, "warm up", True, size, 8, chat, sampling)
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("bench", total=len(jobs) * (1 + len(blocks)))
-        for name, i, prompt, _ in jobs:
+        for name, n, i, prompt in jobs:
             for use_draft, block in [(False, None)] + [(True, b) for b in blocks]:
-                label = f"block {block or loaded.draft.block_size}" if use_draft else "target alone"
-                progress.update(task, description=f"{name} #{i + 1}: {label}")
+                label = f"block {block}" if use_draft else "target alone"
+                progress.update(task, description=f"{name}{f' +{n}' if n else ''} #{i + 1}: {label}")
                 run = bench_lib.measure(loaded, tokenizer, prompt, use_draft, block, max_tokens, chat, sampling)
-                run.suite, run.prompt_index = name, i
+                run.suite, run.prompt_index, run.context_tokens = name, i, n
                 runs.append(run)
                 progress.advance(task)
     rows = bench_lib.summarize(runs)
-    table = Table(title="dflash-mlx bench (greedy)")
-    for column in ("suite", "block", "target tok/s", "DFlash tok/s", "speedup", "tokens/cycle", "acceptance", "peak GB", "identical"):
+    table = Table(title="dflash-mlx bench (greedy)" if temp == 0 else "dflash-mlx bench (sampled)")
+    with_context_column = any(contexts)
+    columns = ["suite"] + (["context"] if with_context_column else []) + [
+        "block", "target tok/s", "DFlash tok/s", "speedup", "tokens/cycle", "acceptance", "blocks used", "peak GB", "identical"]
+    for column in columns:
         table.add_column(column, justify="right")
     for r in rows:
+        shares = {int(b): share for b, share in r["block_shares"].items()}
         table.add_row(
-            r["suite"], str(r["block_tokens"] or loaded.draft.block_size), f"{r['baseline_tps']:.1f}",
-            f"{r['dflash_tps']:.1f}", f"{r['speedup']:.2f}x", f"{r['tokens_per_cycle']:.2f}",
-            f"{r['acceptance_rate']:.0%}", f"{r['peak_memory_gb']:.2f}",
+            r["suite"], *([str(r["context_tokens"])] if with_context_column else []), r["block_tokens"],
+            f"{r['baseline_tps']:.1f}", f"{r['dflash_tps']:.1f}", f"{r['speedup']:.2f}x", f"{r['tokens_per_cycle']:.2f}",
+            f"{r['acceptance_rate']:.0%}", describe(shares).removeprefix("blocks "), f"{r['peak_memory_gb']:.2f}",
             "n/a" if temp > 0 else ("yes" if r["identical"] else "NO"),
         )
-    Console(width=None if sys.stdout.isatty() else 130).print(table)
+    Console(width=None if sys.stdout.isatty() else 150).print(table)
     backend = bench_lib.compute_backend()
     if bench_lib.reference_blas_only(backend):
         console.print(
@@ -256,8 +278,9 @@ def bench(
             "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 (see the README).[/dim]"
         )
     meta = dict(
-        target=str(loaded.target_path), draft=str(loaded.draft_path), draft_quant=draft_quant,
-        max_tokens=max_tokens, repeats=repeats, date=time.strftime("%Y-%m-%d %H:%M:%S"), backend=backend, **sampling,
+        target=str(loaded.target_path), draft=str(loaded.draft_path), draft_quant=draft_quant, blocks=blocks,
+        contexts=contexts, max_tokens=max_tokens, repeats=repeats, date=time.strftime("%Y-%m-%d %H:%M:%S"),
+        backend=backend, **sampling,
     )
     if out is not None:
         bench_lib.save_json(out, rows, runs, meta)
@@ -275,7 +298,7 @@ def serve(
     model: Model = None,
     draft: Draft = None,
     draft_quant: DraftQuant = "none",
-    block_tokens: BlockTokens = None,
+    block_tokens: BlockTokens = "auto",
     host: Annotated[str, typer.Option("--host", help="Interface to listen on (loopback by default: only this machine).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="TCP port.")] = 8080,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="DFLASH_MLX_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 endpoints.")] = None,

@@ -143,6 +143,10 @@ class Metrics:
         out = []
         for name, kind, doc, value in rows:
             out += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f'{name}{{model="{model}"}} {value}']
+        out += ["# HELP dflash_cycles_total Target steps after the prompt, by draft block size (1: plain decoding)",
+                "# TYPE dflash_cycles_total counter"]
+        for block, cycles in sorted(t.block_histogram.items()):
+            out.append(f'dflash_cycles_total{{model="{model}",block_tokens="{block}"}} {cycles}')
         return "\n".join(out) + "\n"
 
 
@@ -205,7 +209,7 @@ def create_app(
     max_tokens_cap: int = 4096,
     context_limit: Optional[int] = None,
     max_request_bytes: int = 8 << 20,
-    block_tokens: Optional[int] = None,
+    block_tokens: Union[None, int, str] = "auto",
 ) -> FastAPI:
     engine = Engine(model, tokenizer, model_name, context_limit, max_tokens_cap)
     app = FastAPI(title="dflash-mlx", description="OpenAI-compatible API with DFlash speculative decoding.")

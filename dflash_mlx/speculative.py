@@ -9,10 +9,12 @@ prefix, hand the committed tokens' features to the draft.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence
+import time
+from typing import Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 
+from .block_policy import BlockChooser, FixedBlock
 from .cache import cache_arrays, rollback
 from .models.dflash import DFlashDraft
 from .models.qwen3_5 import Model as Target
@@ -90,7 +92,7 @@ def speculative(
     draft: DFlashDraft,
     prompt: mx.array,
     sampler: Sampler,
-    block_tokens: Optional[int] = None,
+    block_tokens: Union[None, int, BlockChooser] = None,
     prefill_step_size: int = 512,
     draft_window: Optional[int] = None,
     cache=None,
@@ -98,13 +100,19 @@ def speculative(
     on_chunk=None,
     split_at: Sequence[int] = (),
 ) -> Iterator[Commit]:
-    """DFlash decoding: each step commits the accepted draft prefix plus one target token."""
-    block = block_tokens or draft.block_size
-    if not 1 <= block <= draft.block_size:
-        raise ValueError(f"block_tokens={block_tokens} must be between 1 and the draft's block size {draft.block_size}")
-    if block == 1:  # no draft slot left: plain decoding
-        yield from target_only(target, prompt, sampler, prefill_step_size, cache, on_chunk, split_at)
-        return
+    """DFlash decoding: each step commits the accepted draft prefix plus one target token.
+
+    ``block_tokens``: a fixed size (default: the draft's block size) or a ``BlockChooser`` asked
+    for each cycle's size (``block_policy.AutoBlock``). A cycle of size 1 is a plain decode step
+    whose tapped features wait in ``pending`` and reach the draft when drafting resumes.
+    """
+    chooser = block_tokens if hasattr(block_tokens, "choose") else FixedBlock(block_tokens or draft.block_size)
+    if isinstance(chooser, FixedBlock):
+        if not 1 <= chooser.block <= draft.block_size:
+            raise ValueError(f"block_tokens={block_tokens} must be between 1 and the draft's block size {draft.block_size}")
+        if chooser.block == 1:  # no draft slot at all: plain decoding
+            yield from target_only(target, prompt, sampler, prefill_step_size, cache, on_chunk, split_at)
+            return
     taps = draft.target_layer_ids
     cache = target.make_cache() if cache is None else cache
     draft_cache = draft.make_cache(draft_window) if draft_cache is None else draft_cache
@@ -113,18 +121,37 @@ def speculative(
     )
     token = sampler(logits).reshape(1)
     yield Commit([token.item()], _logprobs(logits)[None])
-    masks = mx.full((block - 1,), draft.mask_token_id, dtype=token.dtype)
-    while True:
-        draft_logits = draft(mx.concatenate([token, masks])[None], draft_cache)[0]
-        drafted, draft_probs = propose(draft_logits, sampler)
-        mx.async_eval(drafted, draft_probs)  # the draft runs while Python builds the verify graph
-        verify_in = mx.concatenate([token, drafted.astype(token.dtype)])
-        logits, features = target.forward(verify_in[None], cache, taps, record_tape=True)
-        n_accepted, next_token = accept(logits[0], drafted, draft_probs, sampler)
-        mx.eval(n_accepted, next_token, drafted)  # the cycle's one host synchronisation
-        n = n_accepted.item()
-        rollback(cache, fed=block, keep=n + 1)
-        draft.add_context(features[:, : n + 1], draft_cache)
-        tokens = drafted.tolist()[:n] + [next_token.item()]  # evaluated: no slice op, no second sync
+    masks = {b: mx.full((b - 1,), draft.mask_token_id, dtype=token.dtype) for b in range(2, draft.block_size + 1)}
+    pending: List[mx.array] = []
+    last, started = None, 0.0  # the previous cycle: reported when this one starts, so its time
+    while True:  # includes the hand-off and whatever the consumer did with its tokens
+        start = time.perf_counter()
+        if last is not None:
+            chooser.observe(seconds=start - started, **last)
+        block, proposals = chooser.choose(), []
+        ahead = chooser.shadow_tokens() if block == 1 else 0
+        if pending and (block > 1 or ahead):  # the plain steps' features reach the draft in one batch
+            draft.add_context(mx.concatenate(pending, axis=1), draft_cache)
+            pending = []
+        if block == 1:  # a plain step; a shadow drafts alongside, unverified (the next tokens grade it)
+            shadow = [mx.argmax(draft(mx.concatenate([token, masks[ahead + 1]])[None], draft_cache)[0], axis=-1)] if ahead else []
+            logits, features = target.forward(token[None], cache, taps)
+            next_token = sampler(logits[0, -1])
+            mx.eval(next_token, features, shadow)
+            pending.append(features)
+            n, tokens, proposals = 0, [next_token.item()], shadow[0].tolist() if ahead else []
+        else:
+            draft_logits = draft(mx.concatenate([token, masks[block]])[None], draft_cache)[0]
+            drafted, draft_probs = propose(draft_logits, sampler)
+            mx.async_eval(drafted, draft_probs)  # the draft runs while Python builds the verify graph
+            verify_in = mx.concatenate([token, drafted.astype(token.dtype)])
+            logits, features = target.forward(verify_in[None], cache, taps, record_tape=True)
+            n_accepted, next_token = accept(logits[0], drafted, draft_probs, sampler)
+            mx.eval(n_accepted, next_token, drafted)  # the cycle's one host synchronisation
+            n = n_accepted.item()
+            rollback(cache, fed=block, keep=n + 1)
+            draft.add_context(features[:, : n + 1], draft_cache)
+            tokens = drafted.tolist()[:n] + [next_token.item()]  # evaluated: no slice op, no second sync
+        last, started = dict(block=block, accepted=n, committed=tokens, proposals=proposals), start
         yield Commit(tokens, _logprobs(logits[0, : n + 1]), drafted=block - 1, accepted=n)
         token = next_token.reshape(1)

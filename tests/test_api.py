@@ -98,6 +98,21 @@ def test_stop_strings_and_eos(pair):
     assert ended[-1].finish_reason == "stop"
 
 
+def test_auto_is_the_default_and_lossless(pair):
+    model, tokenizer = pair
+    for prompt in ("def fibonacci(n):", "The quick brown fox"):
+        alone = generate(model, tokenizer, prompt, max_tokens=40, use_draft=False)
+        assert generate(model, tokenizer, prompt, max_tokens=40) == alone
+        for setting in ("auto", "auto:4", "auto:1", 1):
+            assert generate(model, tokenizer, prompt, max_tokens=40, block_tokens=setting) == alone
+    responses = list(stream_generate(model, tokenizer, "class Stack:", max_tokens=40, block_tokens="auto:4"))
+    last = responses[-1]
+    assert sum(last.block_histogram.values()) == last.cycles and set(last.block_histogram) <= {1, 2, 3, 4}
+    assert responses[0].block_tokens == 0 and all(1 <= r.block_tokens <= 4 for r in responses[1:])
+    # The pair's cost statistics outlive the request: a second one starts from them.
+    assert model.block_stats.costs.measured
+
+
 def test_seeded_sampling_is_reproducible(pair):
     model, tokenizer = pair
     a = generate(model, tokenizer, "def", max_tokens=20, temp=0.9, top_p=0.95, seed=3)
@@ -107,8 +122,12 @@ def test_seeded_sampling_is_reproducible(pair):
 
 def test_bad_arguments(pair):
     model, tokenizer = pair
-    with pytest.raises(ValueError, match="block_tokens=32"):
+    with pytest.raises(ValueError, match="block_tokens '32': more than the draft's block size 16"):
         generate(model, tokenizer, "x", block_tokens=32)
+    with pytest.raises(ValueError, match="block_tokens 'auto:x'"):
+        generate(model, tokenizer, "x", block_tokens="auto:x")
+    with pytest.raises(ValueError, match="block_tokens '4' needs a draft"):
+        generate(model.target, tokenizer, "x", block_tokens=4)
     with pytest.raises(ValueError, match="max_tokens"):
         generate(model, tokenizer, "x", max_tokens=0)
     with pytest.raises(TypeError, match="dflash_mlx.Sampler"):

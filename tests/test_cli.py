@@ -20,7 +20,7 @@ from dflash_mlx.chat import ChatSession
 from tests.test_lossless import assert_lossless
 
 ROOT = Path(__file__).resolve().parents[1]
-STATS = re.compile(r"(\d+) tokens, [\d.]+ tok/s, [\d.]+ tokens/cycle, acceptance \d+%, prompt (\d+) new \+ (\d+) cached tokens")
+STATS = re.compile(r"(\d+) tokens, [\d.]+ tok/s, [\d.]+ tokens/cycle, acceptance \d+%, blocks [\d:% ]+, prompt (\d+) new \+ (\d+) cached tokens")
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +126,7 @@ def test_generate_json_and_stdin(pair):
     assert done.returncode == 0, done.stderr
     record = json.loads(done.stdout)
     assert len(record["tokens"]) <= 12 and record["finish_reason"] in ("length", "stop")
+    assert record["block_tokens"] == "auto" and sum(record["block_histogram"].values()) == record["cycles"]
     alone = cli("generate", "-m", str(target), "-p", "class Stack:", "--max-tokens", "12", "--json", "--no-chat-template")
     assert json.loads(alone.stdout)["tokens"] == record["tokens"]
 
@@ -133,17 +134,20 @@ def test_generate_json_and_stdin(pair):
 def test_bench_writes_json_and_png(pair, tmp_path):
     target, draft = pair
     done = cli(
-        "bench", "-m", str(target), "-d", str(draft), "-b", "4,8", "--suite", "edit", "--suite", "code",
+        "bench", "-m", str(target), "-d", str(draft), "-b", "4,8,auto", "--suite", "edit", "--suite", "code",
         "--max-tokens", "16", "--out", str(tmp_path / "bench.json"), "--plot", str(tmp_path / "bench.png"),
     )
     assert done.returncode == 0, done.stderr
     results = json.loads((tmp_path / "bench.json").read_text())
     rows = {(r["suite"], r["block_tokens"]) for r in results["summary"]}
-    assert rows == {("edit", 4), ("edit", 8), ("code", 4), ("code", 8)}
+    assert rows == {(s, b) for s in ("edit", "code") for b in ("4", "8", "auto")}
     for r in results["summary"]:
         assert r["identical"] and r["baseline_tps"] > 0 and r["dflash_tps"] > 0
-        assert set(r) >= {"speedup", "tokens_per_cycle", "acceptance_rate", "peak_memory_gb", "accepted_lengths"}
-    assert len(results["runs"]) == 2 * 2 * 3  # 2 prompts per suite x (baseline + 2 block sizes)
+        assert set(r) >= {"speedup", "tokens_per_cycle", "acceptance_rate", "peak_memory_gb", "accepted_lengths", "block_shares"}
+        assert sum(r["block_shares"].values()) == pytest.approx(1.0)
+        if r["block_tokens"] != "auto":
+            assert r["block_shares"] == {r["block_tokens"]: 1.0}
+    assert len(results["runs"]) == 2 * 2 * 4  # 2 prompts per suite x (baseline + 3 block settings)
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "dflash-mlx bench" in done.stdout
     # The numbers say what produced them: here MLX's CPU backend with its bundled reference BLAS.
@@ -171,7 +175,8 @@ def test_error_paths_are_one_clear_line(pair, tmp_path, command):
     cases = [
         (["-m", str(tmp_path / "missing")], f"no checkpoint folder at {tmp_path / 'missing'}"),
         (["-m", str(target), "-d", str(draft), "--draft-quant", "w9"], "bad quantization 'w9'"),
-        (["-m", str(target), "-d", str(draft), "-b", "99"], "must be between 1 and the draft's block size 16"),
+        (["-m", str(target), "-d", str(draft), "-b", "99"], "--block-tokens '99': more than the draft's block size 16"),
+        (["-m", str(target), "-d", str(draft), "-b", "auto:x"], "--block-tokens 'auto:x': expected an integer, 'auto' or 'auto:N'"),
     ]
     for args, message in cases:
         done = cli(command, *args, *extra, input="")

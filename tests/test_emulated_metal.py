@@ -23,7 +23,14 @@ from tests import test_sampling
 from tests.conftest import VOCAB, make_draft, make_hf_target, random_prompts
 from tests.metal_emulation import HIGHEST_FIRST, LOWEST_FIRST, EmulatedMetal, mutated_sources
 from tests.test_kernels import MUTATIONS
-from tests.test_lossless import OracleDraft, assert_caches_hold_the_committed_tokens, assert_lossless, take
+from tests.test_lossless import (
+    OracleDraft,
+    ScriptedBlock,
+    assert_caches_hold_the_committed_tokens,
+    assert_lossless,
+    changing_blocks,
+    take,
+)
 
 GREEDY = Sampler()
 
@@ -68,6 +75,32 @@ def test_greedy_is_lossless_on_the_emulated_metal_path(mac_pair, prompts):
     check_greedy_lossless(target, draft, prompts, [2, 4, 8])
     report = kernels_used(target)
     assert report and set(report.values()) == {"ok"}, report  # the kernels ran; none fell back
+
+
+def test_changing_blocks_are_lossless_on_the_emulated_metal_path(mac_pair, prompts):
+    """Sizes chosen per cycle (scripted through 1 with shadows, and the auto controller): greedy
+    output, and the caches after every cycle, as the target alone gives them."""
+    from dflash_mlx.block_policy import AutoBlock, BlockStats
+
+    target, draft, config = mac_pair
+    stats = BlockStats.seeded(0)
+    for prompt in prompts:
+        expected, _ = take(target_only(target, prompt, GREEDY), 24)
+        for blocks in (ScriptedBlock(changing_blocks(8)), AutoBlock(stats, 8)):
+            got, _ = take(speculative(target, draft, prompt, GREEDY, block_tokens=blocks), 24)
+            assert_lossless(target, prompt, expected, got)
+    tolerance = 2e-5 if config.get("dtype", "float32") == "float32" else 2e-2
+    prompt = prompts[0]
+    expected, _ = take(target_only(target, prompt, GREEDY), 40)
+    oracle = OracleDraft(prompt.tolist() + expected, 8, [0, 3, 7, 1, 5, 2, 6, 4])
+    cache, committed = target.make_cache(), []
+    stream = speculative(target, oracle, prompt, GREEDY, block_tokens=ScriptedBlock(changing_blocks(8)), cache=cache)
+    for i, commit in enumerate(stream):
+        committed.extend(commit.tokens)
+        assert_caches_hold_the_committed_tokens(target, cache, prompt, committed[:-1], tolerance, f"cycle {i}")
+        if i == 14:
+            break
+    assert set(kernels_used(target).values()) == {"ok"}
 
 
 def check_every_acceptance_length(target, prompts, block=4):

@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from dflash_mlx.block_policy import AutoBlock, BlockStats
 from dflash_mlx.cache import GatedDeltaCache
 from dflash_mlx.models.dflash import quantize_draft
 from dflash_mlx.sampling import Sampler
@@ -199,3 +200,115 @@ def test_chunked_recurrence_and_replay_match_the_reference(T):
             np.array(kernels.tape_replay_chunked(state, k, g, delta, n)),
             np.array(kernels.tape_replay_reference(state, k, g, want_delta, n)), atol=2e-5, rtol=1e-5,
         )
+
+
+# ---- block sizes chosen per cycle (block_tokens="auto") ----------------------------------------
+
+
+class ScriptedBlock:
+    """A ``BlockChooser`` that follows a script of ``(size, shadow tokens)``: the block changes
+    every cycle, passes through 1 (plain steps whose features wait for the draft) and shadows."""
+
+    def __init__(self, script):
+        self.script, self.cycle, self.reports = script, -1, []
+
+    def choose(self):
+        self.cycle += 1
+        return self.script[self.cycle % len(self.script)][0]
+
+    def shadow_tokens(self):
+        return self.script[self.cycle % len(self.script)][1]
+
+    def observe(self, **report):
+        self.reports.append(report)
+
+
+def changing_blocks(cap):
+    """Every size up to ``cap``, with plain steps and shadows between them."""
+    script = []
+    for b in range(2, cap + 1):
+        script += [(b, 0), (1, 0), (1, min(b, cap - 1)), (1, 0)]
+    return script + [(cap, 0), (2, 0), (cap, 0), (1, cap - 1)]
+
+
+@pytest.mark.parametrize("chooser", ["auto", "scripted"])
+def test_random_draft_is_lossless_with_changing_blocks(target, draft, prompts, references, chooser):
+    stats = BlockStats.seeded(0)
+    for prompt, expected in zip(prompts, references):
+        blocks = AutoBlock(stats, 16) if chooser == "auto" else ScriptedBlock(changing_blocks(16))
+        got, commits = take(speculative(target, draft, prompt, GREEDY, block_tokens=blocks), 48)
+        assert_lossless(target, prompt, expected[:48], got)
+    if chooser == "auto":
+        assert stats.costs.measured, "the controller measured no cycle"
+
+
+class RecordingOracle(OracleDraft):
+    """The oracle, also recording for each call what it proposed and how many were right."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.calls = []
+
+    def __call__(self, block, cache):
+        wrong = self.schedule[self.cycle % len(self.schedule)]
+        out = super().__call__(block, cache)
+        n = block.shape[1] - 1
+        self.calls.append((min(wrong, n), mx.argmax(out[0], axis=-1).tolist()))
+        return out
+
+
+def test_every_acceptance_length_with_changing_blocks_and_shadows(target, prompts, references):
+    """Sizes change every cycle and pass through 1; the draft is an oracle wrong at a scheduled
+    slot, so each cycle must accept exactly what the schedule says and each shadow must report
+    exactly the proposals that match the tokens committed after it. Both fail if the plain steps'
+    features do not reach the draft (the oracle reads its position from them)."""
+    script = changing_blocks(8)
+    seen = set()
+    for k, (prompt, expected) in enumerate(zip(prompts[:6], references)):
+        schedule = [(k + 3 * i) % 8 for i in range(8)]
+        oracle = RecordingOracle(prompt.tolist() + expected, 8, schedule)
+        blocks = ScriptedBlock(script)
+        got, commits = take(speculative(target, oracle, prompt, GREEDY, block_tokens=blocks), 120)
+        assert_lossless(target, prompt, expected[:120], got)
+        calls = iter(oracle.calls)
+        for i, commit in enumerate(commits[1:]):
+            size, shadow = script[i % len(script)]
+            assert commit.drafted == size - 1
+            if size > 1:
+                right, _ = next(calls)
+                assert commit.accepted == right, f"cycle {i} at block {size}"
+                seen.add((size, commit.accepted))
+            elif shadow:
+                right, proposed = next(calls)
+                report = blocks.reports[i] if i < len(blocks.reports) else None
+                if report is not None:
+                    assert report["proposals"] == proposed
+                after = sum(len(c.tokens) for c in commits[: i + 1])
+                if after + right < len(got):  # the last cycles run past the tokens taken
+                    assert proposed[:right] == got[after : after + right]
+                    assert right == len(proposed) or proposed[right] != got[after + right]
+    assert seen == {(b, a) for b in range(2, 9) for a in range(b)}, sorted(seen)
+
+
+def test_rollback_state_with_changing_blocks(target, prompts, references):
+    prompt, expected = prompts[3], references[3]
+    oracle = OracleDraft(prompt.tolist() + expected, 8, [0, 3, 7, 1, 5, 2, 6, 4])
+    cache, committed = target.make_cache(), []
+    blocks = ScriptedBlock(changing_blocks(8))
+    for i, commit in enumerate(speculative(target, oracle, prompt, GREEDY, block_tokens=blocks, cache=cache)):
+        committed.extend(commit.tokens)
+        assert_caches_hold_the_committed_tokens(target, cache, prompt, committed[:-1], 2e-5, f"cycle {i}")
+        if i == 30:
+            break
+
+
+def test_the_draft_sees_every_committed_token_across_plain_steps(target, draft, prompts):
+    """After each drafting cycle, the draft's context cache covers exactly the target's cache."""
+    cache, draft_cache = target.make_cache(), draft.make_cache()
+    blocks = ScriptedBlock(changing_blocks(16))
+    stream = speculative(target, draft, prompts[0], GREEDY, block_tokens=blocks, cache=cache, draft_cache=draft_cache)
+    for i, commit in enumerate(stream):
+        if commit.drafted:
+            assert all(c.offset == cache[0].offset for c in draft_cache), f"cycle {i}"
+        if i == 40:
+            break

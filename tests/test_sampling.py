@@ -36,12 +36,13 @@ def exact_joint(target, sampler):
     return np.einsum("a,ab,abc->bc", p1, p2, p3)
 
 
-def sampled_joint(target, draft, sampler, seed):
+def sampled_joint(target, draft, sampler, seed, blocks=lambda: 4):
+    """``blocks()`` gives each sample's block setting: a size or a fresh chooser."""
     mx.random.seed(seed)
     counts = np.zeros((V, V))
     for _ in range(SAMPLES):
         tokens = []
-        for commit in loop.speculative(target, draft, PROMPT, sampler, block_tokens=4):
+        for commit in loop.speculative(target, draft, PROMPT, sampler, block_tokens=blocks()):
             tokens.extend(commit.tokens)
             if len(tokens) >= 3:
                 break
@@ -70,6 +71,23 @@ def test_speculative_samples_follow_the_target_distribution(small_pair, sampler)
     target, draft = small_pair
     pvalue = goodness_of_fit(sampled_joint(target, draft, sampler, seed=0), exact_joint(target, sampler))
     assert pvalue > 1e-3, f"speculative samples do not follow the target (chi-square p={pvalue:.2g})"
+
+
+def test_sampling_with_block_sizes_that_change_every_cycle(small_pair):
+    """The block changes between the cycles that make tokens 2 and 3 (through 1, with shadows),
+    and under the real controller; the joint distribution is still the target's."""
+    from dflash_mlx.block_policy import AutoBlock, BlockStats
+    from tests.test_lossless import ScriptedBlock
+
+    target, draft = small_pair
+    sampler = SAMPLERS[1]
+    scripts = [[(1, 2), (3, 0)], [(2, 0), (1, 0)], [(4, 0), (2, 0)], [(1, 0), (1, 3)]]
+    turn = iter(range(10**9))
+    scripted = lambda: ScriptedBlock(scripts[next(turn) % len(scripts)])  # noqa: E731
+    stats = BlockStats.seeded(0)
+    for name, blocks in (("scripted", scripted), ("auto", lambda: AutoBlock(stats, 4, shadow=False))):
+        pvalue = goodness_of_fit(sampled_joint(target, draft, sampler, seed=2, blocks=blocks), exact_joint(target, sampler))
+        assert pvalue > 1e-3, f"{name}: speculative samples do not follow the target (chi-square p={pvalue:.2g})"
 
 
 def biased_accept(target_logits, drafted, draft_probs, sampler):

@@ -40,7 +40,7 @@ def server(pair):
     target, draft = pair
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "dflash_mlx.cli", "serve", "-m", str(target), "-d", str(draft), "-b", "4",
+        [sys.executable, "-m", "dflash_mlx.cli", "serve", "-m", str(target), "-d", str(draft),
          "--port", str(port), "--api-key", KEY, "--context-size", "600", "--max-request-bytes", "200000",
          "--model-name", "tiny", "--max-tokens", "100000"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -89,6 +89,14 @@ def test_greedy_chat_equals_dflash_generate(client, local):
     expected = generate(model, tokenizer, [{"role": "user", "content": "def fibonacci(n):"}], max_tokens=24, block_tokens=4)
     assert reply.choices[0].message.content == expected
     assert reply.usage.completion_tokens <= 24 and reply.choices[0].finish_reason in ("length", "stop")
+
+
+def test_metrics_show_the_block_sizes_in_use(client, server):
+    """The server runs the default, auto; /metrics counts its cycles per block size."""
+    chat(client, "def fibonacci(n):", max_tokens=24)
+    lines = [l for l in httpx.get(f"{server}/metrics").text.splitlines() if l.startswith("dflash_cycles_total{")]
+    sizes = {int(l.split('block_tokens="')[1].split('"')[0]): int(l.split()[-1]) for l in lines}
+    assert sizes and set(sizes) <= set(range(1, 17)) and sum(sizes.values()) >= 1
 
 
 def test_streaming_chat_matches_non_streaming(client):
