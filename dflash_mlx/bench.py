@@ -1,7 +1,7 @@
 """Target-only vs DFlash, side by side, on workloads that mirror real use.
 
-Runs alternate (baseline, speculative, baseline, ...) so that thermal or background drift hits
-both alike. All runs are greedy, so outputs must be identical: the bench reports it.
+Runs alternate (baseline, each block setting, next prompt, ...), in an order rotated per prompt,
+so that thermal or background drift hits every setting alike. All runs are greedy, so outputs must be identical: the bench reports it.
 """
 
 from __future__ import annotations

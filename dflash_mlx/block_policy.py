@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Protocol, Sequence, Union
 
+import math
 import random
 
 PROBE_SHARE = 0.05  # the most cycles that may go to probing, in the long run
@@ -31,8 +32,10 @@ PROBE_GAP_GROWTH = 1.5  # each unsurprising probe stretches the gap by this much
 PROBE_BURST = 2.0  # probes that may be saved up and spent right after a surprise
 SURPRISE = 0.1  # accepted at least this far with less than this chance: the workload changed
 DEEP_PRIOR = 3.0  # cycles the prior of slots 2.. is worth
-FORGET = 0.97  # per cycle: acceptance remembers about the last 30 cycles
-DECAY_EVERY = 8  # cycles between applications of FORGET ** DECAY_EVERY (the controller must be cheap)
+COLLAPSE = 0.002  # a run of first-slot rejections this unlikely: acceptance collapsed
+OPTIMISM = 0.7  # decisions count each slot's acceptance this many standard errors high (see values)
+CLOSE_CALL = 0.9  # drafting within 10% of plain decoding: probe at the shortest gap
+FORGET = 0.97  # per outcome of a slot: acceptance remembers about the last 30 of them
 
 
 
@@ -45,7 +48,7 @@ class BlockChooser(Protocol):
 
     def observe(
         self, block: int, accepted: int, seconds: float,
-        committed: Sequence[int] = (), proposals: Sequence[int] = (),
+        committed: Sequence[int] = (), proposals: Sequence[int] = (), handed_off: int = 0,
     ) -> None: ...
 
 
@@ -140,8 +143,9 @@ class CycleCosts:
     makes the line defined from the first measurement and, with ``b - 1`` unscaled, puts what
     one size cannot tell apart on the per-token slope: sizes between those measured look
     cheaper than a flat line would say, and get tried. The first measurement of each size is
-    skipped (it pays for compiling); outliers (a paused consumer, a page fault) are clipped at
-    3x the prediction.
+    skipped (it pays for compiling); once a size is settled, its measurements are clipped at
+    ``CLIP`` times its prediction (a paused consumer, a page fault, a neighbour's burst on a shared
+    machine: one such cycle should move the mean a little, not a fifth of the way).
 
     The controller must cost far less than a cycle (a few milliseconds on a small model, where
     Python inside the decode loop ran about 3x slower than in isolation): a size measured
@@ -149,7 +153,7 @@ class CycleCosts:
     ``REFIT`` measurements. ``version`` changes whenever a prediction may have.
     """
 
-    SETTLED, SAMPLE, REFIT = 8, 8, 4
+    SETTLED, SAMPLE, REFIT, CLIP = 8, 8, 4, 1.5
 
     def __init__(self, forget: float = 0.98, ridge: float = 1e-3):
         self.forget, self.ridge = forget, ridge
@@ -174,8 +178,8 @@ class CycleCosts:
             return  # the first cycle of a size compiles
         if self.measured.get(block, 0) >= self.SETTLED and seen % self.SAMPLE:
             return
-        if self.weight >= 8:
-            seconds = min(seconds, 3.0 * self.predict(block, block)[0])
+        if self.measured.get(block, 0) >= self.SETTLED:
+            seconds = min(seconds, self.CLIP * self.predict(block, block)[0])
         drafting = 1.0 if block > 1 else 0.0
         x, f = (1.0, drafting, drafting * (block - 1)), self.forget
         for i, row in enumerate(self.gram):
@@ -210,15 +214,16 @@ class CycleCosts:
 
 
 class SlotAcceptance:
-    """``P(slot i accepted | slots 1..i-1 accepted)`` per draft slot, forgetting with time.
+    """``P(slot i accepted | slots 1..i-1 accepted)`` per draft slot, forgetting old outcomes.
 
     Each slot's prior has the estimate of the slot before it as its mean (1/2 for the first,
     worth one cycle; ``DEEP_PRIOR`` cycles for the others, which are tried rarely and whose few
     outcomes would otherwise swing every slot after them): a slot is rarely more reliable than
-    the one before it, so slots never tried are not assumed to be coin flips. Counts decay per cycle (``decay``), not
-    per observation: what has not been checked lately drifts back toward the prior, so a
-    controller sitting at ``b = 1`` grows optimistic again and looks, at a price that is lower
-    the cheaper drafting is on this machine.
+    the one before it, so slots never tried are not assumed to be coin flips. Each slot forgets
+    per outcome of its own (``FORGET``), not per cycle: at ``b = 1`` nothing is forgotten, so the
+    sparse probes there add up instead of fading before the next one. Totals over the whole
+    request (no forgetting) make the next request's prior: a request's end (an answer's last
+    lines, after the file it copied) says little about how the next one starts.
 
     A cycle that drafted ``d`` tokens and accepted ``n`` tried slots ``1..min(n+1, d)`` and
     accepted slots ``1..n``; slots past the first rejection were not tried at all.
@@ -227,24 +232,33 @@ class SlotAcceptance:
     def __init__(self):
         self.accepted: List[float] = []
         self.tried: List[float] = []
+        self.total_accepted: List[float] = []
+        self.total_tried: List[float] = []
         self.version = 0
 
-    def probabilities(self, slots: int) -> List[float]:
+    def _grow(self, slots: int) -> None:
         grow = slots - len(self.tried)
         if grow > 0:
-            self.accepted += [0.0] * grow
-            self.tried += [0.0] * grow
+            for counts in (self.accepted, self.tried, self.total_accepted, self.total_tried):
+                counts += [0.0] * grow
+
+    def probabilities(self, slots: int, optimism: float = 0.0) -> List[float]:
+        """Estimates for slots ``1..slots``; ``optimism`` adds that many standard errors to each."""
+        self._grow(slots)
         out, prior, strength = [], 0.5, 1.0
         for a, t in zip(self.accepted[:slots], self.tried[:slots]):
             prior = (a + strength * prior) / (t + strength)
-            out.append(prior)
+            if optimism:
+                out.append(min(1.0, prior + optimism * math.sqrt(prior * (1.0 - prior) / (t + strength))))
+            else:
+                out.append(prior)
             strength = DEEP_PRIOR
         return out
 
-    def expected_tokens(self, cap: int) -> List[float]:
+    def expected_tokens(self, cap: int, optimism: float = 0.0) -> List[float]:
         """``E[committed tokens | b]`` for ``b = 1..cap``: 1 + expected accepted of ``b-1`` slots."""
         out, reach, total = [1.0], 1.0, 1.0
-        for p in self.probabilities(cap - 1):
+        for p in self.probabilities(cap - 1, optimism):
             reach *= p
             total += reach
             out.append(total)
@@ -258,16 +272,13 @@ class SlotAcceptance:
         return reach
 
     def observe(self, drafted: int, accepted: int) -> None:
-        self.probabilities(drafted)  # grows the lists
+        self._grow(drafted)
         for i in range(min(accepted + 1, drafted)):
-            self.tried[i] += 1.0
-            if i < accepted:
-                self.accepted[i] += 1.0
-        self.version += 1
-
-    def decay(self, factor: float) -> None:
-        self.tried = [t * factor for t in self.tried]
-        self.accepted = [a * factor for a in self.accepted]
+            hit = 1.0 if i < accepted else 0.0
+            self.tried[i] = FORGET * self.tried[i] + 1.0
+            self.accepted[i] = FORGET * self.accepted[i] + hit
+            self.total_tried[i] += 1.0
+            self.total_accepted[i] += hit
         self.version += 1
 
     def restart(self) -> None:
@@ -276,22 +287,29 @@ class SlotAcceptance:
         self.accepted = [0.0] * len(self.accepted)
         self.version += 1
 
-    def as_prior(self, weight: float = 2.0) -> "SlotAcceptance":
-        """A fresh copy whose counts weigh at most ``weight`` cycles per slot."""
+    def as_prior(self, weight: float = 4.0) -> "SlotAcceptance":
+        """A fresh copy whose counts are this request's totals, scaled to at most ``weight``
+        cycles per slot (this one's own prior, when it observed nothing)."""
         prior = SlotAcceptance()
-        scale = [min(1.0, weight / t) if t > 0 else 0.0 for t in self.tried]
-        prior.tried = [t * s for t, s in zip(self.tried, scale)]
-        prior.accepted = [a * s for a, s in zip(self.accepted, scale)]
+        prior._grow(len(self.tried))
+        if not any(self.total_tried):
+            prior.tried, prior.accepted = list(self.tried), list(self.accepted)
+            return prior
+        scale = [min(1.0, weight / t) if t > 0 else 0.0 for t in self.total_tried]
+        prior.tried = [t * s for t, s in zip(self.total_tried, scale)]
+        prior.accepted = [a * s for a, s in zip(self.total_accepted, scale)]
         return prior
 
 
 @dataclass
 class BlockStats:
-    """What ``AutoBlock`` keeps between requests: the costs, the last acceptance, the seed."""
+    """What ``AutoBlock`` keeps between requests: the costs, the last acceptance, the probe gap
+    and the random generator (seeded: decisions are reproducible given the same measurements)."""
 
     costs: CycleCosts = field(default_factory=CycleCosts)
     acceptance: SlotAcceptance = field(default_factory=SlotAcceptance)
     rng: random.Random = field(default_factory=lambda: random.Random(0))
+    probe_gap: float = float(PROBE_GAP_MIN)
 
     @classmethod
     def seeded(cls, seed: int) -> "BlockStats":
@@ -311,11 +329,16 @@ class AutoBlock:
     exactly how many a cycle of ``cap`` would have accepted, for the price of one draft pass
     (greedy verification accepts the longest prefix equal to the target's own tokens). Sampled
     requests probe at ``b = 2`` instead (their acceptance is a coin flip per token, not a match),
-    and follow an accepted one at once with a probe at ``cap``.
+    and follow an accepted one at once with a probe at ``cap``. When drafting comes within
+    ``CLOSE_CALL`` of plain decoding, probes keep the shortest gap and every other one drafts
+    the best drafting size for real: a shadow measures acceptance but not what a cycle costs,
+    and a cost measured in a busy moment would otherwise never be revisited.
     A surprise (a probe or cycle accepting far more than the model expected: the workload
     changed) makes the acceptance start over from its prior, and the next probe comes at once, at
     ``cap`` (a shadow at ``b = 1``); a request starts that way too, unless it starts at ``cap``.
-    A drop in acceptance needs no such help: the drafting cycles themselves measure it.
+    A collapse (first slots rejected in a row against odds below ``COLLAPSE``: two in a row
+    where the first slot was 97% right) restarts the acceptance too; a gentler drop needs no
+    help, the drafting cycles themselves measure it.
     """
 
     def __init__(self, stats: BlockStats, cap: int, shadow: bool = True):
@@ -325,40 +348,47 @@ class AutoBlock:
         self.acceptance = stats.acceptance.as_prior()
         stats.acceptance = self.acceptance  # the next request's prior is this one's result
         self.bucket = PROBE_BURST  # probes available now; refills at PROBE_SHARE per cycle
-        self.gap = float(PROBE_GAP_MIN)
+        self.gap = stats.probe_gap  # where the last request left it: probes thin out across requests too
         self.since_probe = 0
         self.probing = False
         self.surprised = True  # a new request may be a new workload: probe at once unless at cap
         self.shadowing = 0  # draft tokens the current step shadows
         self.shadow: List[int] = []  # shadow proposals not yet compared with committed tokens
         self.shadow_matched = 0
-        self._best = (None, 1)  # (what it was computed from, the size)
-        self.cycles = 0
+        self._best = (None, 1, False, 1)  # (computed from, the size, a close call, best drafting size)
+        self.last_probe_shadowed = False
+        self.rejected_run = 1.0  # the model's chance of the current run of first-slot rejections
 
     def values(self) -> List[float]:
-        """Expected committed tokens per second for ``b = 1..cap``."""
+        """Expected committed tokens per second for ``b = 1..cap``, optimistic by ``OPTIMISM``
+        standard errors per slot: a size dropped after a few unlucky cycles is seen again only
+        by sparse probes, so an estimate left low would stay low (the bias of stopping after bad
+        luck); one left high is corrected by the very cycles it buys."""
         costs = self.stats.costs.predict(1, self.cap)
-        return [e / c for e, c in zip(self.acceptance.expected_tokens(self.cap), costs)]
+        return [e / c for e, c in zip(self.acceptance.expected_tokens(self.cap, OPTIMISM), costs)]
 
     def best(self) -> int:
         """The best size; recomputed only when the statistics moved."""
         key = (self.stats.costs.version, self.acceptance.version)
         if self._best[0] != key:
             values = self.values()
-            self._best = (key, 1 + values.index(max(values)))
+            best = 1 + values.index(max(values))
+            # At b = 1 with drafting nearly as good, probes keep their shortest gap: the estimate
+            # that put us here may be a few unlucky cycles, and a shadow settles it cheaply.
+            runner_up = 2 + values[1:].index(max(values[1:])) if self.cap > 1 else 1
+            close = best == 1 and self.cap > 1 and values[runner_up - 1] >= CLOSE_CALL * values[0]
+            self._best = (key, best, close, runner_up)
         return self._best[1]
 
     def choose(self) -> int:
-        self.cycles += 1
-        if self.cycles % DECAY_EVERY == 0:
-            self.acceptance.decay(FORGET**DECAY_EVERY)
         best = self.best()
         self.bucket = min(self.bucket + PROBE_SHARE, PROBE_BURST)
         self.since_probe += 1
         self.shadowing = 0
         if self.surprised and best == self.cap:
             self.surprised = False  # more acceptance than expected, at cap already: nothing to probe
-        self.probing = self.cap > 1 and self.bucket >= 1.0 and (self.surprised or self.since_probe >= self.gap)
+        gap = PROBE_GAP_MIN if self._best[2] else self.gap
+        self.probing = self.cap > 1 and self.bucket >= 1.0 and (self.surprised or self.since_probe >= gap)
         if self.probing and best == 1 and self.can_shadow and self.shadow:
             self.probing = False  # the last shadow is still being compared
         if not self.probing:
@@ -366,9 +396,12 @@ class AutoBlock:
         self.bucket -= 1.0
         self.since_probe = 0
         surprised, self.surprised = self.surprised, False
-        if best == 1 and self.can_shadow:
-            self.shadowing = self.cap - 1
+        if best == 1 and self.can_shadow and not (self._best[2] and self.last_probe_shadowed):
+            self.shadowing, self.last_probe_shadowed = self.cap - 1, True
             return 1
+        self.last_probe_shadowed = False
+        if best == 1 and self._best[2]:  # a close call: measure what the best drafting size costs now
+            return self._best[3]
         if surprised and best != self.cap:
             return self.cap
         if best == 1:  # one drafted token: whether the first slot is accepted decides it all
@@ -381,17 +414,18 @@ class AutoBlock:
 
     def observe(
         self, block: int, accepted: int, seconds: float,
-        committed: Sequence[int] = (), proposals: Sequence[int] = (),
+        committed: Sequence[int] = (), proposals: Sequence[int] = (), handed_off: int = 0,
     ) -> None:
         """What a cycle did: its size, accepted drafts, wall time and the tokens it committed;
-        ``proposals``: the shadow drafted alongside it (then its time is not a plain step's)."""
+        ``proposals``: the shadow drafted alongside it; ``handed_off``: plain steps whose features
+        it gave the draft. Either makes its time something else than its size's cost."""
         if proposals:
             self.shadow, self.shadow_matched = list(proposals), 0
         if self.shadow:
             self._compare_shadow(committed)
         if block > 1:
             self._learn(block - 1, accepted)
-        if not proposals:
+        if not proposals and handed_off <= 1:
             self.stats.costs.observe(block, seconds)
 
     def _compare_shadow(self, committed: Sequence[int]) -> None:
@@ -409,6 +443,12 @@ class AutoBlock:
 
     def _learn(self, drafted: int, accepted: int, probe: bool = False) -> None:
         surprise = accepted > 0 and self.acceptance.chance_of_at_least(drafted, accepted) < SURPRISE
+        # The other way: first slots rejected in a row, each against the odds the model gave it.
+        first = self.acceptance.probabilities(1)[0]
+        self.rejected_run = self.rejected_run * (1.0 - first) if accepted == 0 else 1.0
+        if self.rejected_run < COLLAPSE:  # the draft stopped being right: decide from what comes next
+            self.acceptance.restart()
+            self.rejected_run = 1.0
         if surprise:  # a new workload: this cycle and the next ones decide alone
             self.acceptance.restart()
             self.surprised = True
@@ -417,6 +457,7 @@ class AutoBlock:
             self.gap = min(self.gap * PROBE_GAP_GROWTH, PROBE_GAP_MAX)
             if self.probing and self._best[1] == 1 and accepted:  # a sampled probe at b = 2 from b = 1:
                 self.surprised = True  # one slot cannot tell copying from a lucky token; look at cap
+        self.stats.probe_gap = self.gap
         self.acceptance.observe(drafted, accepted)
 
 

@@ -243,11 +243,16 @@ def bench(
     runs = []
     for size in range(1, loaded.draft.block_size + 1):  # compile every block size once, outside the timings
         bench_lib.measure(loaded, tokenizer, "warm up", True, size, 8, chat, sampling)
+    if any(b.startswith("auto") for b in blocks):  # and let auto measure cycle costs, as a chat session would have
+        bench_lib.measure(loaded, tokenizer, "warm up", True, "auto", 64, chat, sampling)
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("bench", total=len(jobs) * (1 + len(blocks)))
-        for name, n, i, prompt in jobs:
-            for use_draft, block in [(False, None)] + [(True, b) for b in blocks]:
+        settings = [(False, None)] + [(True, b) for b in blocks]
+        for k, (name, n, i, prompt) in enumerate(jobs):
+            # Rotated per job: a machine that slows down over a run (heat, a burst budget, a
+            # neighbour) must not always hit the same setting, as it would the last one.
+            for use_draft, block in settings[k % len(settings):] + settings[: k % len(settings)]:
                 label = f"block {block}" if use_draft else "target alone"
                 progress.update(task, description=f"{name}{f' +{n}' if n else ''} #{i + 1}: {label}")
                 run = bench_lib.measure(loaded, tokenizer, prompt, use_draft, block, max_tokens, chat, sampling)

@@ -128,13 +128,14 @@ def speculative(
         start = time.perf_counter()
         if last is not None:
             chooser.observe(seconds=start - started, **last)
-        block, proposals = chooser.choose(), []
+        block, proposals, handed_off = chooser.choose(), [], 0
         ahead = chooser.shadow_tokens() if block == 1 else 0
         if pending and (block > 1 or ahead):  # the plain steps' features reach the draft in one batch
             draft.add_context(mx.concatenate(pending, axis=1), draft_cache)
-            pending = []
+            pending, handed_off = [], len(pending)
         if block == 1:  # a plain step; a shadow drafts alongside, unverified (the next tokens grade it)
             shadow = [mx.argmax(draft(mx.concatenate([token, masks[ahead + 1]])[None], draft_cache)[0], axis=-1)] if ahead else []
+            mx.async_eval(shadow)  # runs while Python builds the target's step
             logits, features = target.forward(token[None], cache, taps)
             next_token = sampler(logits[0, -1])
             mx.eval(next_token, features, shadow)
@@ -152,6 +153,6 @@ def speculative(
             rollback(cache, fed=block, keep=n + 1)
             draft.add_context(features[:, : n + 1], draft_cache)
             tokens = drafted.tolist()[:n] + [next_token.item()]  # evaluated: no slice op, no second sync
-        last, started = dict(block=block, accepted=n, committed=tokens, proposals=proposals), start
+        last, started = dict(block=block, accepted=n, committed=tokens, proposals=proposals, handed_off=handed_off), start
         yield Commit(tokens, _logprobs(logits[0, : n + 1]), drafted=block - 1, accepted=n)
         token = next_token.reshape(1)

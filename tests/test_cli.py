@@ -136,9 +136,12 @@ def test_bench_writes_json_and_png(pair, tmp_path):
     done = cli(
         "bench", "-m", str(target), "-d", str(draft), "-b", "4,8,auto", "--suite", "edit", "--suite", "code",
         "--max-tokens", "16", "--out", str(tmp_path / "bench.json"), "--plot", str(tmp_path / "bench.png"),
+        "--context", "48",
     )
     assert done.returncode == 0, done.stderr
     results = json.loads((tmp_path / "bench.json").read_text())
+    assert {r["context_tokens"] for r in results["summary"]} == {48} and results["meta"]["contexts"] == [48]
+    assert "context" in done.stdout
     rows = {(r["suite"], r["block_tokens"]) for r in results["summary"]}
     assert rows == {(s, b) for s in ("edit", "code") for b in ("4", "8", "auto")}
     for r in results["summary"]:
@@ -154,6 +157,22 @@ def test_bench_writes_json_and_png(pair, tmp_path):
     backend = results["meta"]["backend"]
     assert "cpu" in backend["device"].lower() and "blas" in backend["blas"].lower()
     assert "reference BLAS" in done.stderr
+
+
+def test_bench_context_sizes_and_real_file_context(pair):
+    from dflash_mlx.bench import file_context, parse_context_sizes, with_context
+
+    assert parse_context_sizes("1k, 4k,512") == [1024, 4096, 512] and parse_context_sizes("") == [0]
+    for bad in ("4q", "-1", "k"):
+        with pytest.raises(ValueError, match="context size"):
+            parse_context_sizes(bad)
+    tokenizer = load(str(pair[0]))[1]
+    context = file_context(tokenizer, 300)
+    assert "argparse" in context and abs(len(tokenizer.encode(context, add_special_tokens=False)) - 300) <= 8
+    assert file_context(tokenizer, 300) == context  # the same files, in the same order
+    assert with_context("Rename f.", context).endswith("Rename f.") and with_context("x", "") == "x"
+    done = cli("bench", "-m", str(pair[0]), "-d", str(pair[1]), "--context", "4q", "--suite", "code")
+    assert done.returncode == 1 and "--context '4q': context size '4q'" in done.stderr
 
 
 def test_bench_notices_an_optimised_blas():
