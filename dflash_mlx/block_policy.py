@@ -11,7 +11,7 @@ cycle, the ``b`` in ``1..cap`` that maximises expected committed tokens per seco
   requests.
 - ``SlotAcceptance``: the chance that draft slot ``i`` is accepted given that the slots before it
   were, so that one cycle at ``b = 8`` also informs ``b = 4``. A property of the request: each
-  one starts fresh, with the previous request's as a weak prior.
+  one starts fresh, with the previous request's totals as a weak prior.
 
 A bounded share of cycles (at most ``PROBE_SHARE``, less while nothing surprises) probes other
 sizes, so a workload that changes is noticed within a few dozen cycles. Nothing here touches
@@ -20,11 +20,10 @@ MLX or a model: decisions are pure functions of the statistics, testable on synt
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Protocol, Sequence, Union
-
 import math
 import random
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Protocol, Sequence, Union
 
 PROBE_SHARE = 0.05  # the most cycles that may go to probing, in the long run
 PROBE_GAP_MIN, PROBE_GAP_MAX = 20, 50  # cycles between probes: 5% right after a surprise, 2% when settled
@@ -35,6 +34,7 @@ DEEP_PRIOR = 3.0  # cycles the prior of slots 2.. is worth
 COLLAPSE = 0.002  # a run of first-slot rejections this unlikely: acceptance collapsed
 OPTIMISM = 0.7  # decisions count each slot's acceptance this many standard errors high (see values)
 CLOSE_CALL = 0.9  # drafting within 10% of plain decoding: probe at the shortest gap
+RESTART_KEEP = 2.0  # outcomes per slot a restart keeps
 FORGET = 0.97  # per outcome of a slot: acceptance remembers about the last 30 of them
 
 
@@ -281,10 +281,12 @@ class SlotAcceptance:
             self.total_accepted[i] += hit
         self.version += 1
 
-    def restart(self) -> None:
-        """After a change of workload: back to the prior, so that the next cycles decide alone."""
-        self.tried = [0.0] * len(self.tried)
-        self.accepted = [0.0] * len(self.accepted)
+    def restart(self, keep: float = RESTART_KEEP) -> None:
+        """After a change of workload: keep at most ``keep`` outcomes' worth of the past per slot,
+        so that the next few cycles decide (one lucky probe alone does not)."""
+        scale = [min(1.0, keep / t) if t > 0 else 0.0 for t in self.tried]
+        self.tried = [t * f for t, f in zip(self.tried, scale)]
+        self.accepted = [a * f for a, f in zip(self.accepted, scale)]
         self.version += 1
 
     def as_prior(self, weight: float = 4.0) -> "SlotAcceptance":

@@ -166,7 +166,8 @@ def _probe_thinking(report: Report, model: str, draft: Optional[str], draft_quan
     for think in (True, False):
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=think)
         last = None
-        for last in api.stream_generate(loaded, tokenizer, prompt, max_tokens=tokens):
+        # The draft's whole block, every cycle: auto would turn a poor mode into plain steps.
+        for last in api.stream_generate(loaded, tokenizer, prompt, max_tokens=tokens, block_tokens=loaded.draft.block_size):
             pass
         rates[think] = last.tokens_per_cycle if last is not None else 0.0
     detail = f"tokens per cycle with --think {rates[True]:.2f}, with --no-think {rates[False]:.2f} ({tokens} greedy tokens)"

@@ -47,8 +47,10 @@ def prefill(
 ) -> mx.array:
     """Feed the prompt in chunks; returns the last position's logits [V].
 
-    Each chunk's tapped features go to ``on_features`` (the draft's context cache) so that
-    memory stays bounded by the chunk size; ``on_chunk`` runs after each chunk (checkpoints).
+    Each chunk's tapped features go to ``on_features`` (the draft's context cache), which returns
+    the arrays it made; they are evaluated with the chunk, so that memory stays bounded by the
+    chunk size and the first draft pass does not pay for the whole prompt's context.
+    ``on_chunk`` runs after each chunk (checkpoints).
     ``split_at`` adds chunk boundaries (positions in ``prompt``) where a checkpoint is wanted.
     """
     if prompt.size == 0:
@@ -58,9 +60,8 @@ def prefill(
     for end in ends:
         logits, features = target.forward(prompt[None, start:end], cache, taps)
         start = end
-        if on_features is not None:
-            on_features(features)
-        mx.eval(logits, cache_arrays(cache))
+        made = on_features(features) if on_features is not None else None
+        mx.eval(logits, cache_arrays(cache), made or [])
         if on_chunk is not None:
             on_chunk()
     return logits[0, -1]
@@ -116,9 +117,11 @@ def speculative(
     taps = draft.target_layer_ids
     cache = target.make_cache() if cache is None else cache
     draft_cache = draft.make_cache(draft_window) if draft_cache is None else draft_cache
-    logits = prefill(
-        target, prompt, cache, prefill_step_size, taps, lambda f: draft.add_context(f, draft_cache), on_chunk, split_at
-    )
+    def to_draft(features):
+        draft.add_context(features, draft_cache)
+        return [a for c in draft_cache for a in (c.keys, c.values) if a is not None]
+
+    logits = prefill(target, prompt, cache, prefill_step_size, taps, to_draft, on_chunk, split_at)
     token = sampler(logits).reshape(1)
     yield Commit([token.item()], _logprobs(logits)[None])
     masks = {b: mx.full((b - 1,), draft.mask_token_id, dtype=token.dtype) for b in range(2, draft.block_size + 1)}

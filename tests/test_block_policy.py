@@ -148,8 +148,9 @@ def test_a_workload_that_starts_copying_is_noticed(shadow, seed):
     assert share(chosen[200:switch], {1}) >= 0.9
     moved = next(i for i in range(switch, 500) if chosen[i : i + 10].count(4) >= 8) - switch
     # The gap between probes is at most 50 cycles; after a surprise the next probe comes at
-    # once and, should its cycle be unlucky, the one after within the shortest gap (20).
-    assert moved <= 75, chosen[switch:]
+    # once (one lucky probe is not enough to draft), and should a cycle after it be unlucky,
+    # the next within the shortest gap (20).
+    assert moved <= 80, chosen[switch:]
 
 
 def test_a_workload_that_stops_copying_is_noticed():
