@@ -1,7 +1,8 @@
 """Target-only vs DFlash, side by side, on workloads that mirror real use.
 
 Runs alternate (baseline, each block setting, next prompt, ...), in an order rotated per prompt,
-so that thermal or background drift hits every setting alike. All runs are greedy, so outputs must be identical: the bench reports it.
+so that thermal or background drift hits every setting alike. Greedy runs must give identical
+outputs: the bench reports it.
 """
 
 from __future__ import annotations

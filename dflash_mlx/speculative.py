@@ -117,6 +117,7 @@ def speculative(
     taps = draft.target_layer_ids
     cache = target.make_cache() if cache is None else cache
     draft_cache = draft.make_cache(draft_window) if draft_cache is None else draft_cache
+
     def to_draft(features):
         draft.add_context(features, draft_cache)
         return [a for c in draft_cache for a in (c.keys, c.values) if a is not None]
@@ -137,8 +138,10 @@ def speculative(
             draft.add_context(mx.concatenate(pending, axis=1), draft_cache)
             pending, handed_off = [], len(pending)
         if block == 1:  # a plain step; a shadow drafts alongside, unverified (the next tokens grade it)
-            shadow = [mx.argmax(draft(mx.concatenate([token, masks[ahead + 1]])[None], draft_cache)[0], axis=-1)] if ahead else []
-            mx.async_eval(shadow)  # runs while Python builds the target's step
+            shadow = []
+            if ahead:
+                shadow = [mx.argmax(draft(mx.concatenate([token, masks[ahead + 1]])[None], draft_cache)[0], axis=-1)]
+                mx.async_eval(shadow)  # runs while Python builds the target's step
             logits, features = target.forward(token[None], cache, taps)
             next_token = sampler(logits[0, -1])
             mx.eval(next_token, features, shadow)
@@ -156,6 +159,7 @@ def speculative(
             rollback(cache, fed=block, keep=n + 1)
             draft.add_context(features[:, : n + 1], draft_cache)
             tokens = drafted.tolist()[:n] + [next_token.item()]  # evaluated: no slice op, no second sync
-        last, started = dict(block=block, accepted=n, committed=tokens, proposals=proposals, handed_off=handed_off), start
+        last = dict(block=block, accepted=n, committed=tokens, proposals=proposals, handed_off=handed_off)
+        started = start
         yield Commit(tokens, _logprobs(logits[0, : n + 1]), drafted=block - 1, accepted=n)
         token = next_token.reshape(1)
