@@ -240,7 +240,8 @@ def stream_generate(
     (sampling). ``from_draft`` is True for drafted tokens that the target accepted.
     ``block_tokens``: ``"auto"`` (default) picks each cycle's block size from measured cycle
     costs and acceptance, down to 1 (plain decoding) when drafting does not pay; ``"auto:N"``
-    caps it at N; an integer N drafts exactly N tokens per cycle (1: the target alone).
+    caps it at N; an integer N drafts exactly N tokens per cycle (1: the target alone). A sampled
+    request with a ``seed`` drafts whole blocks (N, or the cap), so that it is reproducible.
     ``prompt_cache`` (a ``PromptCache``) keeps the caches between calls: a prompt that extends an
     earlier one (the next chat turn, the same file context) only prefills what is new;
     ``checkpoint_at`` lists prompt positions worth a checkpoint (e.g. where the next turn's
@@ -266,7 +267,12 @@ def stream_generate(
         if cap == 1:
             draft = None  # no draft slot: plain decoding
         else:
-            chooser = AutoBlock(model.block_stats, cap) if setting.auto else cap
+            chooser = cap
+            # Auto's choices follow measured times, and a sampled cycle's random draws depend on
+            # its size: a seeded sampled request drafts whole blocks, so the seed gives the same
+            # text every time. Shadow probes grade drafts by matching greedy tokens: greedy only.
+            if setting.auto and (sampler.greedy or seed is None):
+                chooser = AutoBlock(model.block_stats, cap, shadow=sampler.greedy)
     cache = draft_cache = on_chunk = None
     reused = 0
     if prompt_cache is not None:

@@ -98,7 +98,7 @@ def test_stop_strings_and_eos(pair):
     assert ended[-1].finish_reason == "stop"
 
 
-def test_auto_is_the_default_and_lossless(pair):
+def test_auto_is_the_default_and_lossless(pair, monkeypatch):
     model, tokenizer = pair
     for prompt in ("def fibonacci(n):", "The quick brown fox"):
         alone = generate(model, tokenizer, prompt, max_tokens=40, use_draft=False)
@@ -111,6 +111,17 @@ def test_auto_is_the_default_and_lossless(pair):
     assert responses[0].block_tokens == 0 and all(1 <= r.block_tokens <= 4 for r in responses[1:])
     # The pair's cost statistics outlive the request: a second one starts from them.
     assert model.block_stats.costs.measured
+    # Sampled requests never shadow (a shadow grades drafts by matching greedy tokens), and a
+    # seeded sampled one drafts whole blocks, so that the seed reproduces it.
+    from dflash_mlx import block_policy
+
+    made = []
+    monkeypatch.setattr(block_policy.AutoBlock, "shadow_tokens", lambda self: made.append(self.can_shadow) or 0)
+    generate(model, tokenizer, "def", max_tokens=8, temp=0.8)
+    assert made and not any(made)
+    made.clear()
+    generate(model, tokenizer, "def", max_tokens=8, temp=0.8, seed=1)
+    assert not made
 
 
 def test_seeded_sampling_is_reproducible(pair):
