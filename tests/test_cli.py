@@ -136,7 +136,7 @@ def test_bench_writes_json_and_png(pair, tmp_path):
     done = cli(
         "bench", "-m", str(target), "-d", str(draft), "-b", "4,8,auto", "--suite", "edit", "--suite", "code",
         "--max-tokens", "16", "--out", str(tmp_path / "bench.json"), "--plot", str(tmp_path / "bench.png"),
-        "--context", "48",
+        "--context", "48", "--repeats", "1",
     )
     assert done.returncode == 0, done.stderr
     results = json.loads((tmp_path / "bench.json").read_text())
@@ -173,6 +173,8 @@ def test_bench_context_sizes_and_real_file_context(pair):
     assert with_context("Rename f.", context).endswith("Rename f.") and with_context("x", "") == "x"
     done = cli("bench", "-m", str(pair[0]), "-d", str(pair[1]), "--context", "4q", "--suite", "code")
     assert done.returncode == 1 and "--context '4q': context size '4q'" in done.stderr
+    done = cli("bench", "-m", str(pair[0]), "-d", str(pair[1]), "--repeats", "0", "--suite", "code")
+    assert done.returncode == 1 and "--repeats 0: at least 1" in done.stderr
 
 
 def test_bench_notices_an_optimised_blas():
