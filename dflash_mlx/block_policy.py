@@ -357,7 +357,8 @@ class AutoBlock:
         self.shadowing = 0  # draft tokens the current step shadows
         self.shadow: List[int] = []  # shadow proposals not yet compared with committed tokens
         self.shadow_matched = 0
-        self._best = (None, 1, False, 1)  # (computed from, the size, a close call, best drafting size)
+        self._decided_from = None  # the statistics' versions that best_size etc. were computed from
+        self.best_size, self.close_call, self.best_drafting = 1, False, 1
         self.last_probe_shadowed = False
         self.rejected_run = 1.0  # the model's chance of the current run of first-slot rejections
 
@@ -372,15 +373,16 @@ class AutoBlock:
     def best(self) -> int:
         """The best size; recomputed only when the statistics moved."""
         key = (self.stats.costs.version, self.acceptance.version)
-        if self._best[0] != key:
+        if self._decided_from != key:
             values = self.values()
             best = 1 + values.index(max(values))
             # At b = 1 with drafting nearly as good, probes keep their shortest gap: the estimate
             # that put us here may be a few unlucky cycles, and a shadow settles it cheaply.
             runner_up = 2 + values[1:].index(max(values[1:])) if self.cap > 1 else 1
             close = best == 1 and self.cap > 1 and values[runner_up - 1] >= CLOSE_CALL * values[0]
-            self._best = (key, best, close, runner_up)
-        return self._best[1]
+            self._decided_from = key
+            self.best_size, self.close_call, self.best_drafting = best, close, runner_up
+        return self.best_size
 
     def choose(self) -> int:
         best = self.best()
@@ -389,7 +391,7 @@ class AutoBlock:
         self.shadowing = 0
         if self.surprised and best == self.cap:
             self.surprised = False  # more acceptance than expected, at cap already: nothing to probe
-        gap = PROBE_GAP_MIN if self._best[2] else self.gap
+        gap = PROBE_GAP_MIN if self.close_call else self.gap
         self.probing = self.cap > 1 and self.bucket >= 1.0 and (self.surprised or self.since_probe >= gap)
         if self.probing and best == 1 and self.can_shadow and self.shadow:
             self.probing = False  # the last shadow is still being compared
@@ -398,12 +400,12 @@ class AutoBlock:
         self.bucket -= 1.0
         self.since_probe = 0
         surprised, self.surprised = self.surprised, False
-        if best == 1 and self.can_shadow and not (self._best[2] and self.last_probe_shadowed):
+        if best == 1 and self.can_shadow and not (self.close_call and self.last_probe_shadowed):
             self.shadowing, self.last_probe_shadowed = self.cap - 1, True
             return 1
         self.last_probe_shadowed = False
-        if best == 1 and self._best[2]:  # a close call: measure what the best drafting size costs now
-            return self._best[3]
+        if best == 1 and self.close_call:  # measure what the best drafting size costs now
+            return self.best_drafting
         if surprised and best != self.cap:
             return self.cap
         if best == 1:  # one drafted token: whether the first slot is accepted decides it all
@@ -457,7 +459,7 @@ class AutoBlock:
             self.gap = float(PROBE_GAP_MIN)
         elif probe or self.probing:
             self.gap = min(self.gap * PROBE_GAP_GROWTH, PROBE_GAP_MAX)
-            if self.probing and self._best[1] == 1 and accepted:  # a sampled probe at b = 2 from b = 1:
+            if self.probing and self.best_size == 1 and accepted:  # a sampled probe at b = 2 from b = 1:
                 self.surprised = True  # one slot cannot tell copying from a lucky token; look at cap
         self.stats.probe_gap = self.gap
         self.acceptance.observe(drafted, accepted)

@@ -68,10 +68,10 @@ def rollback(cache: list, fed: int, keep: int) -> None:
 
 
 def cache_arrays(cache: list) -> List[mx.array]:
-    """Every array a cache holds, for ``mx.eval``."""
+    """Every array a list of caches holds (target or draft), for ``mx.eval``."""
     out = []
     for c in cache:
-        if isinstance(c, GatedDeltaCache):
+        if hasattr(c, "arrays"):  # GatedDeltaCache, and the draft's ContextCache
             out.extend(c.arrays)
         elif isinstance(c, KVCache) and c.keys is not None:
             out.extend([c.keys, c.values])

@@ -8,8 +8,8 @@ prefix, hand the committed tokens' features to the draft.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import time
+from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -120,7 +120,7 @@ def speculative(
 
     def to_draft(features):
         draft.add_context(features, draft_cache)
-        return [a for c in draft_cache for a in (c.keys, c.values) if a is not None]
+        return cache_arrays(draft_cache)
 
     logits = prefill(target, prompt, cache, prefill_step_size, taps, to_draft, on_chunk, split_at)
     token = sampler(logits).reshape(1)

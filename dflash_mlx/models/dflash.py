@@ -127,6 +127,10 @@ class ContextCache:
         return 0 if self.keys is None else self.keys.shape[2]
 
     @property
+    def arrays(self) -> List[mx.array]:
+        return [a for a in (self.keys, self.values) if a is not None]
+
+    @property
     def reads_no_context(self) -> bool:
         """A block-only layer (window 0): its context K/V would never be read."""
         return self.window == 0
