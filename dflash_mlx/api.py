@@ -13,7 +13,7 @@ from mlx_lm.generate import GenerationResponse as MlxLmResponse
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from . import defaults, device, loading
+from . import defaults, device, loading, quantized
 from .block_policy import AutoBlock, BlockStats, BlockTokens
 from .models.dflash import DFlashDraft, quantize_draft
 from .models.qwen3_5 import Model as Target
@@ -36,6 +36,22 @@ class DFlashModel:
     # What `block_tokens="auto"` learned on this pair: cycle costs (kept across requests) and the
     # last request's acceptance (the next one's prior).
     block_stats: BlockStats = field(default_factory=BlockStats)
+    # The verify-matmul kernel's per-shape choices (Metal only; None: stock quantized_matmul).
+    matmuls: Optional[quantized.QuantizedMatmuls] = None
+
+    def use_quantized_matmuls(self, matmuls: Optional[quantized.QuantizedMatmuls],
+                              cache: Optional[quantized.TuningCache] = None, measure=quantized.wall_time,
+                              progress=None) -> List[quantized.Timing]:
+        """Route the pair's quantized layers through ``matmuls`` and time, once per device, the
+        shapes ``cache`` has no measurement for (the kernel runs only where it measured faster)."""
+        self.matmuls = matmuls
+        models = [m for m in (self.target, self.draft) if m is not None]
+        for m in models:
+            m.use_quantized_matmuls(matmuls)
+        if matmuls is None:
+            return []
+        cache = cache or quantized.TuningCache.for_this_device()
+        return quantized.tune_pair(matmuls, models, cache, measure=measure, progress=progress)
 
 
 @dataclass
@@ -132,7 +148,34 @@ def load(
         mx.eval(model.draft.parameters())
     elif draft_quant not in (None, "none"):
         raise ValueError("draft_quant was given but no draft")
+    matmuls = quantized.QuantizedMatmuls.for_this_process()
+    if matmuls is not None:
+        with _tuning_progress() as progress:
+            model.use_quantized_matmuls(matmuls, progress=progress)
     return model, tokenizer
+
+
+class _tuning_progress:
+    """A progress bar on stderr while the first load on a GPU times the pair's matmul shapes."""
+
+    def __enter__(self):
+        from rich.console import Console
+        from rich.progress import Progress
+
+        self._bar = Progress(console=Console(stderr=True), transient=True)
+        self._task = None
+        return self._update
+
+    def _update(self, done: int, total: int) -> None:
+        if self._task is None:
+            self._bar.start()
+            self._task = self._bar.add_task("timing quantized matmuls on this GPU (first use; cached)", total=total)
+        self._bar.update(self._task, completed=done)
+
+    def __exit__(self, *exc):
+        if self._task is not None:
+            self._bar.stop()
+        return False
 
 
 def warn_if_mask_is_a_token(mask_token_id: int, tokenizer) -> Optional[str]:

@@ -32,13 +32,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-KERNEL_NAMES = ("gated_delta_tape", "tape_replay")
+KERNEL_NAMES = ("gated_delta_tape", "tape_replay")  # the recurrence's; quantized.py runs quantized_verify
 # Set to "reference" to run the pure-MLX functions even where Metal is available.
 BACKEND_ENV = "DFLASH_MLX_KERNELS"
 # Input and output names of each kernel, as its body uses them.
 KERNEL_IO = {
     "gated_delta_tape": (("q", "k", "v", "g", "beta", "state_in", "T"), ("y", "state_out", "delta")),
     "tape_replay": (("state_in", "k", "g", "delta", "T", "steps"), ("state_out",)),
+    "quantized_verify": (("x", "w", "scales", "biases", "M", "K", "N"), ("y",)),
 }
 THREADGROUP = (32, 4, 1)  # one simdgroup per value row, four rows of one head per threadgroup
 
@@ -159,42 +160,27 @@ class MetalKernels:
             output_dtypes=list(launch.output_dtypes),
         )
 
-    def usable(self, name: str, template: tuple) -> bool:
-        """Whether ``name`` may run for this specialization (self-checked on first use)."""
+    def usable(self, name: str, template: tuple, check: Optional[Callable[["MetalKernels", str, dict], Optional[str]]] = None) -> bool:
+        """Whether ``name`` may run for this specialization, self-checked on first use by
+        ``check`` (None if the kernel matched its reference, else what went wrong; the
+        recurrence's check by default)."""
         key = (name, template)
         if key not in self.checks:
-            self.checks[key] = self._check(name, dict(template)) if self._self_check else None
+            self.checks[key] = self._guarded(check or _check_recurrence, name, dict(template)) if self._self_check else None
             if self.checks[key] is not None:
-                shapes = ", ".join(f"{k}={v}" for k, v in template if not isinstance(v, mx.Dtype))
                 warnings.warn(
-                    f"dflash-mlx: the Metal kernel {name} ({dict(template)['InT']}, {shapes}) failed its self-check "
+                    f"dflash-mlx: the Metal kernel {describe(name, template)} failed its self-check "
                     f"and is replaced by the pure-MLX reference for the rest of this process: {self.checks[key]}",
                     RuntimeWarning, stacklevel=2,
                 )
         return self.checks[key] is None
 
-    def _check(self, name: str, template: dict) -> Optional[str]:
-        """None if the kernel matches the reference on small inputs, else what went wrong."""
-        dtype = template["InT"]
+    def _guarded(self, check, name: str, template: dict) -> Optional[str]:
         try:
-            for T in (1, 8):
-                q, k, v, g, beta, state = _check_inputs(template, T, dtype)
-                want_y, want_state, want_delta = gated_delta_reference(q, k, v, g, beta, state)
-                if name == "gated_delta_tape":
-                    y, final, delta = self.run(gated_delta_launch(q, k, v, g, beta, state))
-                    mx.eval(y, final, delta)
-                    if not (_close(y, want_y, _Y_TOLERANCE[dtype]) and _close(final, want_state, 1e-4)
-                            and _close(delta, want_delta, 1e-4)):
-                        return f"its output differs from the reference (T={T})"
-                else:
-                    for steps in sorted({0, T // 2, T}):
-                        (got,) = self.run(tape_replay_launch(state, k, g, want_delta, steps))
-                        if not _close(got, tape_replay_reference(state, k, g, want_delta, steps), 1e-4):
-                            return f"its output differs from the reference (T={T}, steps={steps})"
+            return check(self, name, template)
         except Exception as e:  # a compile error surfaces here, at the first evaluation
             lines = [line.strip() for line in str(e).splitlines() if line.strip()]
             return f"{type(e).__name__}: {' | '.join(lines[:3])}"  # the compiler's header and first errors
-        return None
 
     def gated_delta(self, q, k, v, g, beta, state):
         """``(y, state, delta)`` from the kernel, or None where it is not usable."""
@@ -212,12 +198,34 @@ class MetalKernels:
 
     def report(self) -> Dict[str, str]:
         """Each checked specialization: ``"ok"`` or its failure (for ``dflash-mlx doctor``)."""
-        out = {}
-        for (name, template), failure in self.checks.items():
-            t = dict(template)
-            label = f"{name} {t['InT']} Dk={t['Dk']} Dv={t['Dv']} Hk={t['Hk']} Hv={t['Hv']}"
-            out[label] = "ok" if failure is None else failure
-        return out
+        return {describe(name, template): "ok" if failure is None else failure
+                for (name, template), failure in self.checks.items()}
+
+
+def describe(name: str, template: tuple) -> str:
+    """``gated_delta_tape float32 Dk=128 ...``: a kernel specialization as people read it."""
+    parts = [str(v).split(".")[-1] if isinstance(v, mx.Dtype) else f"{k}={v}" for k, v in template if k != "StT"]
+    return " ".join([name, *parts])
+
+
+def _check_recurrence(metal: MetalKernels, name: str, template: dict) -> Optional[str]:
+    """None if a recurrence kernel matches the reference on small inputs, else what went wrong."""
+    dtype = template["InT"]
+    for T in (1, 8):
+        q, k, v, g, beta, state = _check_inputs(template, T, dtype)
+        want_y, want_state, want_delta = gated_delta_reference(q, k, v, g, beta, state)
+        if name == "gated_delta_tape":
+            y, final, delta = metal.run(gated_delta_launch(q, k, v, g, beta, state))
+            mx.eval(y, final, delta)
+            if not (_close(y, want_y, _Y_TOLERANCE[dtype]) and _close(final, want_state, 1e-4)
+                    and _close(delta, want_delta, 1e-4)):
+                return f"its output differs from the reference (T={T})"
+        else:
+            for steps in sorted({0, T // 2, T}):
+                (got,) = metal.run(tape_replay_launch(state, k, g, want_delta, steps))
+                if not _close(got, tape_replay_reference(state, k, g, want_delta, steps), 1e-4):
+                    return f"its output differs from the reference (T={T}, steps={steps})"
+    return None
 
 
 @functools.lru_cache(maxsize=None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import warnings
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -200,3 +201,63 @@ def test_a_kernel_that_fails_its_self_check_falls_back(hf_target_dir, tmp_path, 
     report = kernels_used(target)
     assert any(k.startswith("gated_delta_tape") and v != "ok" for k, v in report.items())
     assert any(k.startswith("tape_replay") and v == "ok" for k, v in report.items())  # the other kernel still runs
+
+
+# Quantized targets and drafts: every quantized matmul of 1..16 rows through the verify kernel.
+WRONG_ROW = ("xs[i] = static_cast<float>(x[m * K + k0 + i]);", "xs[i] = static_cast<float>(x[k0 + i]);")
+
+
+def quantized_mac_pair(path, draft_dir, bits, sources=None, self_check=True):
+    """A quantized target (bfloat16 checkpoint) and w``bits`` draft on the Mac path: recurrence
+    kernels and verify-matmul kernels emulated, the kernel chosen for every shape it has a form for."""
+    from dflash_mlx import quantized
+    from dflash_mlx.models.dflash import quantize_draft
+
+    target, config = load_target(path, recurrence=emulated_recurrence())
+    nn.quantize(target, group_size=32, bits=bits)
+    draft = make_draft(draft_dir, target, config, block_size=8, seed=4)
+    quantize_draft(draft, f"w{bits}:gs32")
+    metal = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST, sources), self_check=self_check)
+    shapes = [s for dtype in (mx.bfloat16, mx.float32) for s in quantized.shapes_of([target, draft], dtype=dtype)]
+    matmuls = quantized.QuantizedMatmuls(metal, {s: quantized.OURS for s in shapes})
+    target.use_quantized_matmuls(matmuls)
+    draft.use_quantized_matmuls(matmuls)
+    assert all(layer.eager for layer in target.layers) and all(layer.eager for layer in draft.layers)
+    return target, draft, metal
+
+
+SMALL_VOCAB = 128  # the emulator runs 8 GPU threads per output column: keep the head small
+
+
+@pytest.fixture(scope="module")
+def bf16_target_dir(tmp_path_factory):
+    return make_hf_target(tmp_path_factory.mktemp("mac_q_target"), vocab_size=SMALL_VOCAB, dtype="bfloat16", seed=3)
+
+
+@pytest.fixture(scope="module")
+def small_prompts():
+    return random_prompts(3, SMALL_VOCAB, seed=8)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_pairs_are_lossless_through_the_verify_kernel(bf16_target_dir, tmp_path, bits, small_prompts):
+    """Greedy output of a w4 (w8) target with a w4 (w8) draft equals the target alone at blocks
+    2/4/8 and at every acceptance length, with decode steps, verify blocks and draft passes all
+    through the kernel (each specialization self-checked, none fell back)."""
+    target, draft, metal = quantized_mac_pair(bf16_target_dir, tmp_path, bits)
+    check_greedy_lossless(target, draft, small_prompts[:1], [2, 4, 8], n=16)
+    assert check_every_acceptance_length(target, small_prompts[1:]) == set(range(4))
+    report = {k: v for k, v in metal.report().items() if k.startswith("quantized_verify")}
+    rows = {int(k.split("Rows=")[1].split()[0]) for k in report}
+    assert {1, 2, 4, 8} <= rows and set(report.values()) == {"ok"}, report
+
+
+def test_a_mutated_verify_kernel_fails_the_lossless_test(bf16_target_dir, tmp_path, small_prompts):
+    """Rows past the first reading the first row's input: decode steps (one row) stay right,
+    verify blocks go wrong, and speculative output leaves the target's."""
+    from dflash_mlx import quantized
+
+    sources = mutated_sources(quantized.KERNEL, *WRONG_ROW)
+    target, _, _ = quantized_mac_pair(bf16_target_dir, tmp_path, 4, sources, self_check=False)
+    with pytest.raises(AssertionError):
+        check_every_acceptance_length(target, small_prompts)

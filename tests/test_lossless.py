@@ -35,7 +35,7 @@ def assert_lossless(target, prompt, expected, got):
         return
     j = next(i for i, (a, b) in enumerate(zip(expected, got)) if a != b)
     context = mx.concatenate([prompt, mx.array(expected[:j], dtype=prompt.dtype)])
-    logits = np.array(target(context[None])[0, -1])
+    logits = np.array(target(context[None])[0, -1].astype(mx.float32))
     top2 = np.argsort(logits)[-2:]
     gap = logits[top2[1]] - logits[top2[0]]
     assert {expected[j], got[j]} == set(top2.tolist()) and gap < 1e-5, (

@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import quantized
 from .layers import MLP
 
 
@@ -257,6 +258,7 @@ class DraftLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self._before_attention = self._after_attention = None  # compiled on first use
+        object.__setattr__(self, "eager", False)  # a quantized matmul may run the Metal kernel: not compiled
 
     def __call__(self, x, rope, cache):
         before, after = self._compiled(rope)
@@ -280,8 +282,11 @@ class DraftLayer(nn.Module):
                 h = x + attn.output(heads)
                 return h + self.mlp(self.post_attention_layernorm(h))
 
-            self._before_attention = mx.compile(before, inputs=self.state)
-            self._after_attention = mx.compile(after, inputs=self.state)
+            if self.eager:
+                self._before_attention, self._after_attention = before, after
+            else:
+                self._before_attention = mx.compile(before, inputs=self.state)
+                self._after_attention = mx.compile(after, inputs=self.state)
         return self._before_attention, self._after_attention
 
 
@@ -324,6 +329,15 @@ class DFlashDraft(nn.Module):
         if dtype is not None:
             self.set_dtype(dtype)
             self.activation_dtype = dtype
+        return self
+
+    def use_quantized_matmuls(self, matmuls: Optional[quantized.QuantizedMatmuls]) -> "DFlashDraft":
+        """Route the draft's quantized layers through ``matmuls`` (the verify kernel on Metal);
+        layers that may then run the kernel are no longer compiled."""
+        quantized.route(self, matmuls)
+        for layer in self.layers:
+            object.__setattr__(layer, "eager", quantized.routes_to_metal(layer))
+            layer._before_attention = layer._after_attention = None
         return self
 
     @property

@@ -15,7 +15,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
-from .. import kernels
+from .. import kernels, quantized
 from ..cache import GatedDeltaCache, GatedDeltaTape
 from .layers import MLP
 
@@ -241,18 +241,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = ZeroCentredRMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = ZeroCentredRMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args.hidden_size, args.intermediate_size)
-        # Compiled forms per recurrence mode (see _pieces); a plain attribute, not a parameter.
+        # Compiled forms per recurrence mode (see _pieces), and whether a quantized matmul of the
+        # layer may run the Metal kernel (Model.use_quantized_matmuls): plain attributes.
         object.__setattr__(self, "_compiled", {})
+        object.__setattr__(self, "eager", False)
 
     def __call__(self, x, cache=None, record_tape: bool = False):
         if self.is_linear:
             mixer = self.linear_attn
             conv_state, start_state = mixer.states(x, cache)
-            whole = self._pieces(mixer.recurrence_mode())
+            whole = self._pieces("metal" if self.eager else mixer.recurrence_mode())
             out, *carry = whole(x, conv_state, start_state)
             mixer.update_cache(cache, start_state, carry, record_tape)
             return out
-        before, after = self._pieces("attention")
+        before, after = self._pieces("metal" if self.eager else "attention")
         q, k, v, gate = before(x, mx.array(0 if cache is None else cache.offset))
         return after(x, self.self_attn.attend(q, k, v, cache), gate)
 
@@ -263,10 +265,11 @@ class DecoderLayer(nn.Module):
         A decode step of a small model on MLX's CPU backend costs per dispatched operation;
         compiled, the elementwise work fuses and Python builds the graph once per shape. With
         the Metal kernels the layer runs uncompiled. Compiled graphs embed the recurrence variant
-        they traced, hence one per mode."""
+        they traced, hence one per mode. ``metal``: a kernel runs inside, nothing is compiled."""
         if mode not in self._compiled:
             if mode == "metal":
-                self._compiled[mode] = self._linear_layer
+                self._compiled[mode] = self._linear_layer if self.is_linear else (
+                    lambda x, offset: self.self_attn.project(self.input_layernorm(x), offset), self._attention_output)
             elif self.is_linear:
                 self._compiled[mode] = mx.compile(self._linear_layer, inputs=self.state)
             else:
@@ -350,6 +353,14 @@ class Model(nn.Module):
         for layer in self.layers:
             if layer.is_linear:
                 object.__setattr__(layer.linear_attn, "recurrence", recurrence)
+        return self
+
+    def use_quantized_matmuls(self, matmuls: Optional[quantized.QuantizedMatmuls]) -> "Model":
+        """Route every quantized layer through ``matmuls`` (the verify kernel on Metal); the layers
+        that may then run the kernel are no longer compiled."""
+        quantized.route(self, matmuls)
+        for layer in self.layers:
+            object.__setattr__(layer, "eager", quantized.routes_to_metal(layer))
         return self
 
     def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:

@@ -21,9 +21,9 @@ memory would hold garbage, unless ``init_value`` is given.
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import hashlib
+import os
 import re
 import shutil
 import subprocess
@@ -37,8 +37,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 PARALLEL, LOWEST_FIRST, HIGHEST_FIRST = 0, 1, 2
 SCHEDULES = (PARALLEL, LOWEST_FIRST, HIGHEST_FIRST)
-_BUILD_DIR = Path(tempfile.mkdtemp(prefix="dflash-metal-emu-"))
-atexit.register(shutil.rmtree, _BUILD_DIR, ignore_errors=True)  # built libraries live as long as the process
+_FLAGS = ["-std=c++20", "-O1", "-fPIC", "-pthread", "-ffp-contract=off", "-Wno-attributes"]
 
 # MLX: "Inputs with fewer elements are passed in the constant address space".
 MAX_CONSTANT_ARRAY_SIZE = 8
@@ -180,23 +179,56 @@ def _front_end_errors(text: str) -> List[str]:
 _LIBRARIES: Dict[str, ctypes.CDLL] = {}
 
 
+def _build_dir() -> Path:
+    """Where built kernels are kept, shared by processes (pytest's workers) and runs: named by the
+    shim's and the flags' hash, each library by its translation unit's, so nothing stale is reused."""
+    shim = (HERE / "metal_shim.h").read_bytes()
+    version = hashlib.sha256(shim + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    folder = Path(tempfile.gettempdir()) / f"dflash-metal-emu-{os.getuid()}" / version
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _publish(build, target: Path) -> None:
+    """Run ``build(partial_path)`` and move the result into place atomically (concurrent builders
+    of the same file each produce a whole one)."""
+    partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+    build(partial)
+    os.replace(partial, target)
+
+
+def _compile(command: List[str]) -> None:
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise MetalCompileError(f"Unable to build metal library from source:\n{done.stderr}")
+
+
+def _precompiled_shim(folder: Path) -> Path:
+    """The shim as a precompiled header (halves each kernel's compile time)."""
+    header = folder / "metal_shim.h"
+    if not (folder / "metal_shim.h.gch").exists():
+        _publish(lambda p: shutil.copyfile(HERE / "metal_shim.h", p), header)
+        _publish(lambda p: _compile([compiler(), *_FLAGS, "-x", "c++-header",
+                                     str(header), "-o", str(p)]), folder / "metal_shim.h.gch")
+    return folder
+
+
 def build(text: str) -> ctypes.CDLL:
-    """Check and compile one translation unit (cached per process by its text)."""
+    """Check and compile one translation unit (cached in memory and on disk by its text)."""
     key = hashlib.sha256(text.encode()).hexdigest()[:20]
     if key in _LIBRARIES:
         return _LIBRARIES[key]
     errors = _front_end_errors(text)
     if errors:
         raise MetalCompileError("Unable to build metal library from source:\n" + "\n".join(errors))
-    folder = _BUILD_DIR / key
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "kernel.cpp").write_text(text)
-    library = folder / "kernel.so"
-    command = [compiler(), "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-Wno-attributes",
-               f"-I{HERE}", str(folder / "kernel.cpp"), "-o", str(library)]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise MetalCompileError(f"Unable to build metal library from source:\n{done.stderr}")
+    folder = _build_dir()
+    library = folder / f"{key}.so"
+    if not library.exists():
+        source = folder / f"{key}.cpp"
+        _publish(lambda p: p.write_text(text), source)
+        include = _precompiled_shim(folder)
+        _publish(lambda p: _compile([compiler(), *_FLAGS, "-shared", "-Winvalid-pch", f"-I{include}", str(source),
+                                     "-o", str(p)]), library)
     _LIBRARIES[key] = ctypes.CDLL(str(library))
     return _LIBRARIES[key]
 

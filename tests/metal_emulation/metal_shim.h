@@ -60,6 +60,8 @@ inline float rsqrt(float x) { return 1.0f / __builtin_sqrtf(x); }
 inline float fabs(float x) { return __builtin_fabsf(x); }
 inline float fmax(float x, float y) { return __builtin_fmaxf(x, y); }
 inline float fmin(float x, float y) { return __builtin_fminf(x, y); }
+inline float fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+inline float exp2(float x) { return __builtin_exp2f(x); }
 }  // namespace metal
 using namespace metal;
 enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2 };
@@ -124,6 +126,8 @@ using std::sqrt;
 using std::fabs;
 using std::fmax;
 using std::fmin;
+using std::fma;  // fused, as Metal's: one rounding
+using std::exp2;
 inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
 }  // namespace metal
 using namespace metal;

@@ -1,0 +1,203 @@
+"""The verify-matmul kernel (``metal/quantized_verify.metal``) on the emulator, against its
+dequantize-then-matmul reference; row independence bit for bit; the harness against mutants; and
+the per-shape choice (``QuantizedMatmuls``, the tuner and its cache)."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from dflash_mlx import kernels, quantized
+from tests.metal_emulation import LOWEST_FIRST, PARALLEL, EmulatedMetal, mutated_sources
+
+# (mode, bits, group size): every form the kernel has.
+FORMS = [("affine", 4, 32), ("affine", 4, 64), ("affine", 4, 128), ("affine", 8, 32), ("affine", 8, 64),
+         ("affine", 8, 128), ("mxfp4", 4, 32)]
+DTYPES = [mx.float16, mx.bfloat16]
+# Output rounding to the activation dtype dominates: compare relative to the output's scale.
+TOLERANCE = {mx.float16: 2e-3, mx.bfloat16: 1.6e-2, mx.float32: 1e-5}
+
+
+def emulated(sources=None, schedule=LOWEST_FIRST) -> kernels.MetalKernels:
+    return kernels.MetalKernels(EmulatedMetal(schedule, sources), self_check=False)
+
+
+def layer(seed, K, N, mode, bits, group_size, dtype, M=16):
+    rng = np.random.default_rng(seed)
+    x = mx.array(rng.standard_normal((M, K)).astype(np.float32)).astype(dtype)
+    weight = mx.array((rng.standard_normal((N, K)) * K**-0.5).astype(np.float32)).astype(dtype)
+    w, scales, *biases = mx.quantize(weight, group_size, bits, mode=mode)
+    return x, w, scales, (biases[0] if biases else None)
+
+
+def run(metal, x, w, scales, biases, mode, bits, group_size, rows=None):
+    launch = quantized.quantized_verify_launch(x, w, scales, biases, group_size, bits, mode, rows=rows)
+    return metal.run(launch)[0]
+
+
+def assert_matches_reference(got, x, w, scales, biases, mode, bits, group_size):
+    want = quantized.quantized_verify_reference(x, w, scales, biases, group_size, bits, mode)
+    got, want = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+    scale = max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(got, want, atol=TOLERANCE[x.dtype] * scale, rtol=TOLERANCE[x.dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("form", FORMS, ids=lambda f: f"{f[0]}{f[1]}-gs{f[2]}")
+def test_the_kernel_equals_the_reference_for_every_form_and_row_count(form, dtype):
+    """K one and a half simdgroup steps (lanes past the edge idle), N not a multiple of the 4
+    columns a simdgroup writes; M = 1..16 in one 16-accumulator specialization."""
+    mode, bits, group_size = form
+    step = 32 * (16 if bits == 4 else 8)
+    K, N = max(group_size, step + step // 2), 4 * 3 + 1
+    x, w, scales, biases = layer(FORMS.index(form) * 10 + DTYPES.index(dtype), K, N, mode, bits, group_size, dtype)
+    metal = emulated()
+    for M in range(1, 17):
+        got = run(metal, x[:M], w, scales, biases, mode, bits, group_size, rows=16)
+        assert got.shape == (M, N) and got.dtype == dtype
+        assert_matches_reference(got, x[:M], w, scales, biases, mode, bits, group_size)
+
+
+def test_every_accumulator_count_and_free_running_threads():
+    """M rounds up to 1, 2, 4, 8 or 16 accumulators; each bucket is right, with the threads of a
+    threadgroup interleaved by the OS as well as in the serial schedule."""
+    mode, bits, group_size = "affine", 4, 64
+    x, w, scales, biases = layer(3, 512, 9, mode, bits, group_size, mx.bfloat16)
+    for schedule in (LOWEST_FIRST, PARALLEL):
+        metal = emulated(schedule=schedule)
+        for M in (1, 2, 3, 5, 8, 11, 16):
+            assert_matches_reference(run(metal, x[:M], w, scales, biases, mode, bits, group_size),
+                                     x[:M], w, scales, biases, mode, bits, group_size)
+
+
+@pytest.mark.parametrize("form", [("affine", 4, 64), ("affine", 8, 32), ("mxfp4", 4, 32)], ids=lambda f: f"{f[0]}{f[1]}")
+def test_a_row_does_not_depend_on_the_other_rows(form):
+    """Row r of an M-row call equals, bit for bit, the same row computed alone and computed with
+    other companion rows, whatever accumulator count M rounds up to."""
+    mode, bits, group_size = form
+    dtype = mx.bfloat16 if bits == 4 else mx.float16
+    x, w, scales, biases = layer(11, 256, 10, mode, bits, group_size, dtype)
+    other, *_ = layer(12, 256, 10, mode, bits, group_size, dtype)
+    metal = emulated()
+    exact = lambda a: np.array(a.astype(mx.float32))  # noqa: E731 (widening is exact: equal iff the bits are)
+    alone = [exact(run(metal, x[r : r + 1], w, scales, biases, mode, bits, group_size)[0]) for r in range(16)]
+    for M in (2, 4, 7, 16):
+        rows = exact(run(metal, x[:M], w, scales, biases, mode, bits, group_size))
+        for r in range(M):
+            np.testing.assert_array_equal(rows[r], alone[r], err_msg=f"row {r} of an {M}-row call")
+        mixed = mx.concatenate([other[: M - 1], x[M - 1 : M]])  # row M-1 with different companions
+        last = exact(run(metal, mixed, w, scales, biases, mode, bits, group_size)[M - 1])
+        np.testing.assert_array_equal(last, alone[M - 1])
+
+
+def test_shapes_the_kernel_has_no_form_for_are_refused_by_name():
+    x, w, scales, biases = layer(0, 64, 8, "affine", 4, 32, mx.float16)
+    with pytest.raises(ValueError, match="no affine 3-bit"):
+        quantized.quantized_verify_launch(x, w, scales, biases, 32, 3)
+    with pytest.raises(ValueError, match="at most 16"):
+        quantized.quantized_verify_launch(mx.concatenate([x, x[:1]]), w, scales, biases, 32, 4)
+    with pytest.raises(ValueError, match="do not hold K=96"):
+        quantized.quantized_verify_launch(mx.zeros((2, 96), mx.float16), w, scales, biases, 32, 4)
+
+
+# Mutants of the kernel: each must be caught by the reference comparison and by the self-check.
+MUTATIONS = {
+    "wrong scale (next group's)": ("scale[c] = static_cast<float>(scales[n * groups_per_column + group]);",
+                                   "scale[c] = static_cast<float>(scales[n * groups_per_column + (group + 1) % groups_per_column]);"),
+    "bias dropped": ("metal::fma(bias[c], x_sum, acc[m][c])", "acc[m][c]"),
+    "dropped reduction": ("const float total = simd_sum(acc[m][c]);", "const float total = acc[m][c];"),
+    "wrong row index (row 0's input for every row)": ("xs[i] = static_cast<float>(x[m * K + k0 + i]);",
+                                                      "xs[i] = static_cast<float>(x[k0 + i]);"),
+    "wrong output row": ("y[m * N + first + c]", "y[(M - 1 - m) * N + first + c]"),
+    "nibbles read in the wrong order": ("(packed[c][i] >> (j * bits)) & mask", "(packed[c][i] >> ((per_word - 1 - j) * bits)) & mask"),
+}
+
+
+@pytest.mark.parametrize("mutation", list(MUTATIONS), ids=list(MUTATIONS))
+def test_the_harness_catches_broken_kernels(mutation):
+    sources = mutated_sources(quantized.KERNEL, *MUTATIONS[mutation])
+    mode, bits, group_size = "affine", 4, 32
+    x, w, scales, biases = layer(5, 1024, 8, mode, bits, group_size, mx.float16, M=4)
+    with pytest.raises(AssertionError):
+        assert_matches_reference(run(emulated(sources), x, w, scales, biases, mode, bits, group_size),
+                                 x, w, scales, biases, mode, bits, group_size)
+    template = quantized.quantized_verify_launch(x, w, scales, biases, group_size, bits, mode).template
+    checked = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST, sources))
+    with pytest.warns(RuntimeWarning, match="quantized_verify float16 Rows=4 bits=4 group_size=32 Mode=0 failed"):
+        assert not checked.usable(quantized.KERNEL, template, quantized._check_quantized)
+    assert kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST)).usable(quantized.KERNEL, template, quantized._check_quantized)
+
+
+def quantized_mlp(bits=4, group_size=32, dtype=mx.bfloat16, tie=False):
+    """A small module tree with quantized linears and a quantized embedding (a tied head)."""
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(40, 64)
+            self.layers = [nn.Linear(64, 24, bias=False), nn.Linear(64, 64, bias=True)]
+
+    model = Tiny()
+    model.set_dtype(dtype)
+    nn.quantize(model, group_size=group_size, bits=bits)
+    return model
+
+
+def test_routed_layers_use_the_kernel_only_where_chosen_and_keep_their_parameters():
+    model = quantized_mlp()
+    before = {k: np.array(v.astype(mx.float32)) for k, v in nn.utils.tree_flatten(model.parameters()) if v is not None}
+    x = mx.random.normal((1, 3, 64), key=mx.random.key(0)).astype(mx.bfloat16)
+    stock = [layer_(x) for layer_ in model.layers] + [model.embed.as_linear(x)]
+    metal = emulated()
+    calls = []
+    real_run = metal.run
+    metal.run = lambda launch: calls.append(launch.inputs[4:]) or real_run(launch)  # records (M, K, N)
+    matmuls = quantized.QuantizedMatmuls(metal)
+    assert quantized.route(model, matmuls) == 3
+    assert isinstance(model.layers[0], quantized.QuantizedLinear) and isinstance(model.embed, quantized.QuantizedEmbedding)
+    after = {k: np.array(v.astype(mx.float32)) for k, v in nn.utils.tree_flatten(model.parameters()) if v is not None}
+    assert before.keys() == after.keys() and all(np.array_equal(before[k], after[k]) for k in before)
+    assert [layer_(x) for layer_ in model.layers][0].shape == (1, 3, 24) and not calls  # no choices: stock
+    matmuls.choices = {s: quantized.OURS for s in quantized.shapes_of([model], rows=[3])}
+    routed = [layer_(x) for layer_ in model.layers] + [model.embed.as_linear(x)]
+    assert sorted(calls) == sorted([(3, 64, 24), (3, 64, 64), (3, 64, 40)])
+    for got, want in zip(routed, stock):  # the bias of the second layer included
+        np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)), atol=0.05, rtol=0.02)
+    calls.clear()
+    model.layers[0](mx.concatenate([x] * 6, axis=1))  # M = 18 > 16: stock, always
+    assert not calls
+    assert quantized.route(model, None) == 3 and not quantized.routes_to_metal(model)
+
+
+def test_the_tuner_follows_measured_times_and_caches_them_per_device(tmp_path):
+    model = quantized_mlp()
+    shapes = quantized.shapes_of([model], rows=[1, 4])
+    assert {(s.K, s.N, s.rows) for s in shapes} == {(64, 24, 1), (64, 64, 1), (64, 40, 1), (64, 24, 4), (64, 64, 4), (64, 40, 4)}
+    metal = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST))
+    # A stand-in clock: the kernel is faster at M=4, stock at M=1 (timed calls do run).
+    seen = []
+
+    def measure(fn):
+        out = fn()
+        mx.eval(out)
+        seen.append(out.shape)
+        kernel = isinstance(out, mx.array) and len(seen) % 2 == 0
+        return (1.0 if out.shape[0] == 4 else 3.0) if kernel else 2.0
+
+    cache = quantized.TuningCache(tmp_path / "tuning.json", "test-gpu")
+    timings = quantized.tune(metal, shapes, measure)
+    cache.record(timings)
+    assert {t.shape.rows: t.choice for t in timings} == {1: quantized.STOCK, 4: quantized.OURS}
+    stored = json.loads((tmp_path / "tuning.json").read_text())
+    assert set(stored) == {"test-gpu"} and len(stored["test-gpu"]) == 6
+    again = quantized.TuningCache(tmp_path / "tuning.json", "test-gpu")
+    assert again.missing(shapes) == [] and again.choices() == {t.shape: t.choice for t in timings}
+    assert quantized.TuningCache(tmp_path / "tuning.json", "another-gpu").missing(shapes) == shapes
+    lines = quantized.render_timings(timings)
+    assert "choice" in lines[0] and any(line.endswith("kernel") for line in lines[1:])
+    # The real clock on one shape: a positive time for each side.
+    (real,) = quantized.tune(metal, shapes[:1], lambda fn: quantized.wall_time(fn, repeats=2, warmup=1))
+    assert real.stock_s > 0 and real.kernel_s > 0
