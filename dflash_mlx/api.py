@@ -40,10 +40,11 @@ class DFlashModel:
     matmuls: Optional[quantized.QuantizedMatmuls] = None
 
     def use_quantized_matmuls(self, matmuls: Optional[quantized.QuantizedMatmuls],
-                              cache: Optional[quantized.TuningCache] = None, measure=quantized.wall_time,
-                              progress=None) -> List[quantized.Timing]:
-        """Route the pair's quantized layers through ``matmuls`` and time, once per device, the
-        shapes ``cache`` has no measurement for (the kernel runs only where it measured faster)."""
+                              cache: Optional[quantized.TuningCache] = None, everything: bool = False,
+                              measure=quantized.wall_time, progress=None) -> List[quantized.Timing]:
+        """Route the pair's quantized layers through ``matmuls`` and time the shapes ``cache`` has
+        no measurement for (all of them with ``everything``): the kernel runs only where it
+        measured faster. Returns the new timings."""
         self.matmuls = matmuls
         models = [m for m in (self.target, self.draft) if m is not None]
         for m in models:
@@ -51,7 +52,7 @@ class DFlashModel:
         if matmuls is None:
             return []
         cache = cache or quantized.TuningCache.for_this_device()
-        return quantized.tune_pair(matmuls, models, cache, measure=measure, progress=progress)
+        return quantized.tune_pair(matmuls, models, cache, everything=everything, measure=measure, progress=progress)
 
 
 @dataclass
@@ -120,6 +121,7 @@ def load(
     revision: Optional[str] = None,
     draft_revision: Optional[str] = None,
     draft_dtype: Any = "auto",
+    matmuls: Any = "auto",
 ) -> tuple[DFlashModel, TokenizerWrapper]:
     """Load a Qwen3.5 target (HF or MLX layout, local or from the Hub) and optionally a draft.
 
@@ -129,6 +131,9 @@ def load(
     ``draft_dtype``: the draft's activation dtype; ``"auto"`` is float32 on Apple GPUs without
     native bfloat16 (M1/M2, where 16-bit drafts lose most of their acceptance; see
     ``device.WITHOUT_NATIVE_BFLOAT16``) and the checkpoint's own elsewhere; None keeps it.
+    ``matmuls``: ``"auto"`` routes quantized layers through the verify-matmul kernel on an Apple
+    GPU where it measured faster (the first load of a pair's shapes on a device times them, a
+    few seconds, cached under ``$DFLASH_MLX_HOME``); None keeps MLX's stock quantized matmul.
     """
     if path_or_hf_repo == defaults.DEMO:
         path_or_hf_repo, draft = defaults.demo(draft)
@@ -148,14 +153,15 @@ def load(
         mx.eval(model.draft.parameters())
     elif draft_quant not in (None, "none"):
         raise ValueError("draft_quant was given but no draft")
-    matmuls = quantized.QuantizedMatmuls.for_this_process()
+    if matmuls == "auto":
+        matmuls = quantized.QuantizedMatmuls.for_this_process()
     if matmuls is not None:
-        with _tuning_progress() as progress:
+        with tuning_progress() as progress:
             model.use_quantized_matmuls(matmuls, progress=progress)
     return model, tokenizer
 
 
-class _tuning_progress:
+class tuning_progress:
     """A progress bar on stderr while the first load on a GPU times the pair's matmul shapes."""
 
     def __enter__(self):

@@ -336,11 +336,12 @@ def doctor(
     context: Annotated[int, typer.Option("--context", help="Context length (prompt + answer tokens) to size the caches for.")] = 8192,
     memory_gb: Annotated[Optional[float], typer.Option("--memory-gb", help="Memory to fit in, in GiB (default: MLX's recommended working set on a Mac, total memory elsewhere).")] = None,
     probe_tokens: Annotated[int, typer.Option("--probe-tokens", help="With a draft: tokens generated in each thinking mode to compare acceptance (0 = skip).")] = 48,
+    tune: Annotated[bool, typer.Option("--tune", help="With --model: time MLX's stock quantized matmul against the verify kernel for every quantized matmul shape of the pair at 1..16 rows, print the table and keep the faster one per shape (saved under $DFLASH_MLX_HOME; the first load of a pair on a GPU does this for shapes it has not seen). Off an Apple GPU there is nothing to tune.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
     """Check this machine and a pair: device and GPU family, MLX versions, Metal, memory, each
-    kernel's self-check, whether the pair fits at --context, and known acceptance killers.
-    Exits 1 when something is wrong, with the fix."""
+    kernel's self-check, whether the pair fits at --context, and known acceptance killers;
+    --tune re-times the quantized matmuls. Exits 1 when something is wrong, with the fix."""
     from . import doctor as doctor_lib
     from .loading import CheckpointError
 
@@ -352,9 +353,11 @@ def doctor(
         _fail(f"--probe-tokens must be 0 or more (got {probe_tokens})")
     if model is None and draft is not None:
         _fail("--draft needs --model (the target it drafts for)")
+    if tune and model is None:
+        _fail("--tune needs --model (the pair whose quantized matmuls to time)")
     try:
         report = doctor_lib.diagnose(model, draft, None if draft_quant == "none" else draft_quant, context, memory_gb,
-                                     probe_tokens)
+                                     probe_tokens, tune=tune)
     except (CheckpointError, ValueError) as e:
         _fail(str(e))
     if as_json:

@@ -35,6 +35,7 @@ class Check:
 class Report:
     checks: List[Check] = field(default_factory=list)
     memory: Dict[str, int] = field(default_factory=dict)
+    tuning: List[Any] = field(default_factory=list)  # quantized.Timing per matmul shape (--tune)
 
     def add(self, *args, **kwargs) -> Check:
         self.checks.append(Check(*args, **kwargs))
@@ -180,12 +181,41 @@ def _probe_thinking(report: Report, model: str, draft: Optional[str], draft_quan
         report.add("thinking mode", OK, detail)
 
 
+def _tune(report: Report, model: str, draft: Optional[str], draft_quant: Optional[str], matmuls, cache, measure) -> None:
+    """Time stock quantized_matmul against the verify kernel for every shape of the pair, 1..16 rows."""
+    from . import api, quantized
+
+    if matmuls is None:
+        matmuls = quantized.QuantizedMatmuls.for_this_process()
+    if matmuls is None:
+        report.add("quantized matmuls", INFO, "nothing to tune: not an Apple GPU (MLX's stock quantized_matmul "
+                   "runs here; the verify kernel is Metal's)")
+        return
+    loaded, _ = api.load(model, draft=draft, draft_quant=draft_quant, matmuls=None)
+    with api.tuning_progress() as progress:
+        report.tuning = loaded.use_quantized_matmuls(matmuls, cache, everything=True, measure=measure, progress=progress)
+    if not report.tuning:
+        report.add("quantized matmuls", INFO, "nothing to tune: the pair has no quantized layer the kernel has a form "
+                   "for (affine 4/8-bit or mxfp4)", "quantize the draft (--draft-quant w4) or use a 4-bit target")
+        return
+    ours = sum(t.choice == quantized.OURS for t in report.tuning)
+    failed = [t for t in report.tuning if t.kernel_s is None]
+    where = (cache.path if cache is not None else quantized.TuningCache.for_this_device().path)
+    report.add("quantized matmuls", FAIL if failed else OK,
+               f"the verify kernel is faster for {ours} of {len(report.tuning)} shapes; stock runs the others "
+               f"(saved in {where})" + (f"; the kernel failed its self-check for {len(failed)}" if failed else ""),
+               "please report this with `dflash-mlx doctor --tune` output" if failed else "")
+
+
 def diagnose(model: Optional[str] = None, draft: Optional[str] = None, draft_quant: Optional[str] = None,
              context: int = 8192, memory_gb: Optional[float] = None, probe_tokens: int = 48,
              facts: Optional[device_lib.DeviceFacts] = None, metal: Optional[kernels.MetalKernels] = None,
-             kernel_shapes: Optional[List[tuple]] = None) -> Report:
+             kernel_shapes: Optional[List[tuple]] = None, tune: bool = False, matmuls=None, tuning_cache=None,
+             measure=None) -> Report:
     """Every check. ``facts`` and ``metal`` stand for this machine's device and kernels, and
-    ``kernel_shapes`` (Dk, Hk, Dv, Hv) for the heads to self-check (tests pass others)."""
+    ``kernel_shapes`` (Dk, Hk, Dv, Hv) for the heads to self-check (tests pass others). ``tune``
+    (with a model) re-times the pair's quantized matmuls, through ``matmuls``
+    (``quantized.QuantizedMatmuls``, this GPU's by default) into ``tuning_cache`` with ``measure``."""
     facts = facts or device_lib.facts()
     if metal is None and facts.metal:
         metal = kernels.process_metal_kernels()
@@ -236,6 +266,10 @@ def diagnose(model: Optional[str] = None, draft: Optional[str] = None, draft_qua
                 report.add("fits in memory", OK, detail)
         if draft_dir is not None and probe_tokens > 0:
             _probe_thinking(report, model, draft, draft_quant, probe_tokens)
+    if tune and model is not None:
+        from . import quantized
+
+        _tune(report, model, draft, draft_quant, matmuls, tuning_cache, measure or quantized.wall_time)
     return report
 
 
@@ -245,8 +279,16 @@ def render(report: Report) -> List[str]:
     if report.memory:
         lines.append("memory at this context:")
         lines += [f"  {name:<26} {_gib(n):>10}" for name, n in report.memory.items()]
+    if report.tuning:
+        from .quantized import render_timings
+
+        lines.append("quantized matmuls, median of timed calls (M = rows: 1 is a decode step, 2..16 a verify block or draft pass):")
+        lines += ["  " + line for line in render_timings(report.tuning)]
     return lines
 
 
 def as_json(report: Report) -> Dict[str, Any]:
-    return {"ok": not report.failed, "checks": [c.__dict__ for c in report.checks], "memory_bytes": report.memory}
+    tuning = [{"shape": t.shape.__dict__, "stock_us": t.stock_s * 1e6, "kernel_us": None if t.kernel_s is None else t.kernel_s * 1e6,
+               "choice": t.choice} for t in report.tuning]
+    return {"ok": not report.failed, "checks": [c.__dict__ for c in report.checks], "memory_bytes": report.memory,
+            "tuning": tuning}

@@ -250,8 +250,9 @@ def _inputs(shape: MatmulShape, seed: int = 0):
     return x, w, scales, (biases[0] if biases else None)
 
 
-def wall_time(fn: Callable[[], mx.array], repeats: int = 20, warmup: int = 3) -> float:
-    """Median seconds of one evaluated call (each call synchronised, as a decode step is)."""
+def wall_time(which: str, fn: Callable[[], mx.array], repeats: int = 20, warmup: int = 3) -> float:
+    """Median seconds of one evaluated call of ``fn`` (``which``: "stock" or "kernel"; each call
+    synchronised, as a decode step is)."""
     for _ in range(warmup):
         mx.eval(fn())
     times = []
@@ -274,19 +275,19 @@ class Timing:
 
 
 def tune(metal: kernels.MetalKernels, shapes: Iterable[MatmulShape],
-         measure: Callable[[Callable[[], mx.array]], float] = wall_time,
+         measure: Callable[[str, Callable[[], mx.array]], float] = wall_time,
          progress: Optional[Callable[[int, int], None]] = None) -> List[Timing]:
     """Times stock ``mx.quantized_matmul`` against the kernel for each shape (same inputs)."""
     shapes = list(shapes)
     timings = []
     for i, shape in enumerate(shapes):
         x, w, scales, biases = _inputs(shape)
-        stock = measure(lambda: mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=shape.group_size,
+        stock = measure(STOCK, lambda: mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=shape.group_size,
                                                     bits=shape.bits, mode=shape.mode))
         launch = quantized_verify_launch(x, w, scales, biases, shape.group_size, shape.bits, shape.mode)
         ours = None
         if metal.usable(KERNEL, launch.template, _check_quantized):
-            ours = measure(lambda: metal.run(launch)[0])
+            ours = measure(OURS, lambda: metal.run(launch)[0])
         timings.append(Timing(shape, stock, ours))
         if progress is not None:
             progress(i + 1, len(shapes))

@@ -42,10 +42,45 @@ def test_doctor_refuses_bad_options():
     for args, message in ((["--context", "0"], "--context"), (["--draft", "x"], "--draft needs --model"),
                           (["--model", "/no/such/folder"], "/no/such/folder"),
                           (["--memory-gb", "0"], "--memory-gb must be positive"),
-                          (["--probe-tokens", "-1"], "--probe-tokens"),
+                          (["--probe-tokens", "-1"], "--probe-tokens"), (["--tune"], "--tune needs --model"),
                           (["--model", "demo", "--draft-quant", "w7", "--probe-tokens", "0"], "w7")):
         done = cli("doctor", *args)
         assert done.returncode != 0 and message in done.stderr, (args, done.stderr)
+
+
+def test_doctor_tune_off_an_apple_gpu_has_nothing_to_tune():
+    done = cli("doctor", "--model", "demo", "--draft-quant", "w4", "--tune", "--probe-tokens", "0")
+    assert done.returncode == 0, done.stderr
+    if not mx.metal.is_available():
+        assert "quantized matmuls: nothing to tune: not an Apple GPU" in done.stdout, done.stdout
+
+
+def test_doctor_tune_times_every_quantized_shape_of_the_pair(tmp_path):
+    """On the emulated Mac path: every (K, N, bits, group size) of the demo pair's w4 draft at
+    M = 1..16 is timed (a stand-in clock: the kernel wins above 2 rows), the table printed, the
+    choices saved and used."""
+    from dflash_mlx import quantized
+
+    def measure(which, fn):
+        out = fn()
+        mx.eval(out)  # the kernel and stock both run
+        return 2.0 if which == quantized.STOCK else (3.0 if out.shape[0] <= 2 else 1.0)
+
+    metal = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST))
+    matmuls = quantized.QuantizedMatmuls(metal)
+    cache = quantized.TuningCache(tmp_path / "tuning.json", "emulated M3")
+    report = doctor.diagnose("demo", draft_quant="w4", probe_tokens=0, facts=M3, metal=metal, kernel_shapes=SMALL_HEADS,
+                             tune=True, matmuls=matmuls, tuning_cache=cache, measure=measure)
+    assert not report.failed, doctor.render(report)
+    shapes = {(t.shape.K, t.shape.N) for t in report.tuning}
+    assert (64, 64) in shapes and {t.shape.rows for t in report.tuning} == set(range(1, 17))
+    assert all(t.choice == (quantized.OURS if t.shape.rows > 2 else quantized.STOCK) for t in report.tuning)
+    assert matmuls.choices == {t.shape: t.choice for t in report.tuning}
+    text = "\n".join(doctor.render(report))
+    assert "quantized matmuls: the verify kernel is faster for" in text and "affine4 gs64 K64 N64 M16 bfloat16" in text
+    saved = json.loads((tmp_path / "tuning.json").read_text())["emulated M3"]
+    assert len(saved) == len(report.tuning)
+    assert len(doctor.as_json(report)["tuning"]) == len(report.tuning)
 
 
 def test_memory_estimate_follows_the_shapes(hf_target_dir, target_config, tmp_path):

@@ -177,15 +177,13 @@ def test_the_tuner_follows_measured_times_and_caches_them_per_device(tmp_path):
     shapes = quantized.shapes_of([model], rows=[1, 4])
     assert {(s.K, s.N, s.rows) for s in shapes} == {(64, 24, 1), (64, 64, 1), (64, 40, 1), (64, 24, 4), (64, 64, 4), (64, 40, 4)}
     metal = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST))
-    # A stand-in clock: the kernel is faster at M=4, stock at M=1 (timed calls do run).
-    seen = []
-
-    def measure(fn):
+    # A stand-in clock: the kernel is faster at M=4, stock at M=1 (the timed calls do run).
+    def measure(which, fn):
         out = fn()
         mx.eval(out)
-        seen.append(out.shape)
-        kernel = isinstance(out, mx.array) and len(seen) % 2 == 0
-        return (1.0 if out.shape[0] == 4 else 3.0) if kernel else 2.0
+        if which == quantized.STOCK:
+            return 2.0
+        return 1.0 if out.shape[0] == 4 else 3.0
 
     cache = quantized.TuningCache(tmp_path / "tuning.json", "test-gpu")
     timings = quantized.tune(metal, shapes, measure)
@@ -199,5 +197,5 @@ def test_the_tuner_follows_measured_times_and_caches_them_per_device(tmp_path):
     lines = quantized.render_timings(timings)
     assert "choice" in lines[0] and any(line.endswith("kernel") for line in lines[1:])
     # The real clock on one shape: a positive time for each side.
-    (real,) = quantized.tune(metal, shapes[:1], lambda fn: quantized.wall_time(fn, repeats=2, warmup=1))
+    (real,) = quantized.tune(metal, shapes[:1], lambda which, fn: quantized.wall_time(which, fn, repeats=2, warmup=1))
     assert real.stock_s > 0 and real.kernel_s > 0
