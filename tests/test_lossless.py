@@ -120,6 +120,32 @@ def test_w4_draft_is_lossless(tmp_path, target, target_config, prompts, referenc
         assert_lossless(target, prompt, expected[:24], got)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_target_with_a_quantized_draft_is_lossless(tmp_path, hf_target_dir, prompts, bits):
+    """The flagship set-up in small: a w4 (w8) target with a w4 (w8) draft, greedy at blocks 4
+    and 8 with a random draft and at every acceptance length with the oracle draft."""
+    import mlx.nn as nn
+
+    from dflash_mlx.loading import load_target
+
+    target, config = load_target(hf_target_dir)
+    nn.quantize(target, group_size=32, bits=bits)
+    draft = make_draft(tmp_path, target, config, block_size=8, seed=6)
+    quantize_draft(draft, f"w{bits}:gs32")
+    seen = set()
+    for k, prompt in enumerate(prompts[:6]):
+        expected, _ = take(target_only(target, prompt, GREEDY), 24)
+        for block in (4, 8):
+            got, _ = take(speculative(target, draft, prompt, GREEDY, block_tokens=block), 24)
+            assert_lossless(target, prompt, expected, got)
+        schedule = list(range(4))[k % 4 :] + list(range(4))[: k % 4]
+        oracle = OracleDraft(prompt.tolist() + expected, 4, schedule)
+        got, commits = take(speculative(target, oracle, prompt, GREEDY, block_tokens=4), 11)
+        assert_lossless(target, prompt, expected[:11], got)
+        seen.update(c.accepted for c in commits[1:])
+    assert seen == set(range(4))
+
+
 def _cache_tensors(cache):
     def host(x):
         return np.array(x.astype(mx.float32))  # numpy has no bfloat16

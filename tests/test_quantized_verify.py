@@ -199,3 +199,24 @@ def test_the_tuner_follows_measured_times_and_caches_them_per_device(tmp_path):
     # The real clock on one shape: a positive time for each side.
     (real,) = quantized.tune(metal, shapes[:1], lambda which, fn: quantized.wall_time(which, fn, repeats=2, warmup=1))
     assert real.stock_s > 0 and real.kernel_s > 0
+
+
+def test_the_traffic_model_follows_mlx_dispatch_rules():
+    """The rules as the issue quotes MLX 0.32 (K, N over 4096: qmm from 6 rows on M1/M2, 13 on
+    M3/M4 and M5; qmv_wide packs up to 5 rows: M = 8 reads twice, 11-12 three times)."""
+    from dflash_mlx import traffic
+
+    big = (4096, 12288)
+    assert [traffic.qmv_batch_limit(*big, g) for g in (13, 15, 17)] == [6, 13, 13]
+    assert traffic.stock_reads(8, *big, 15) == ("qmv_wide", 2) and traffic.stock_reads(11, *big, 15) == ("qmv_wide", 3)
+    assert traffic.stock_reads(16, *big, 15) == ("qmm", 1) and traffic.stock_reads(4, *big, 13) == ("qmv", 4)
+    assert traffic.stock_reads(14, 4096, 4096, 15) == ("qmv_wide", 3)  # medium shapes: limit 15 on M3/M4
+    dense = traffic.dense_matmuls(traffic.QWEN35_9B)
+    assert traffic.pass_bytes(dense, 16, 15, ours=True) == traffic.pass_bytes(dense, 1, 15, ours=False)
+    assert traffic.pass_bytes(dense, 8, 15, ours=False) == 2 * traffic.pass_bytes(dense, 8, 15, ours=True)
+    assert 4.2e9 < traffic.decode_bytes(traffic.QWEN35_9B) < 4.8e9  # 9B parameters at ~4.5 bits
+    moe = traffic.QWEN35_35B_A3B
+    assert traffic.expert_bytes(moe, 4) == 32 / 8 * traffic.expert_bytes(moe, 1)  # unsorted: every pair reads
+    assert traffic.expert_bytes(moe, 16) < 16 * traffic.expert_bytes(moe, 1)  # sorted: distinct experts once
+    assert traffic.cycle_cost(traffic.QWEN35_9B, 8, 15, ours=True) < traffic.cycle_cost(traffic.QWEN35_9B, 8, 15, ours=False)
+    assert any(line.startswith("| M3/M4 | 8 | qmv_wide x2") for line in traffic.tables())
