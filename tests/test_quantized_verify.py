@@ -49,17 +49,22 @@ def assert_matches_reference(got, x, w, scales, biases, mode, bits, group_size):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("form", FORMS, ids=lambda f: f"{f[0]}{f[1]}-gs{f[2]}")
 def test_the_kernel_equals_the_reference_for_every_form_and_row_count(form, dtype):
-    """K one and a half simdgroup steps (lanes past the edge idle), N not a multiple of the 4
-    columns a simdgroup writes; M = 1..16 in one 16-accumulator specialization."""
+    """M = 1..16 in one 16-accumulator specialization, on K one and a half simdgroup steps (lanes
+    past the edge idle) with N not a multiple of the 4 columns a simdgroup writes, and on a random
+    shape (K a random number of groups, N random, one column included)."""
     mode, bits, group_size = form
+    seed = FORMS.index(form) * 10 + DTYPES.index(dtype)
+    rng = np.random.default_rng(seed)
     step = 32 * (16 if bits == 4 else 8)
-    K, N = max(group_size, step + step // 2), 4 * 3 + 1
-    x, w, scales, biases = layer(FORMS.index(form) * 10 + DTYPES.index(dtype), K, N, mode, bits, group_size, dtype)
+    shapes = [(max(group_size, step + step // 2), 4 * 3 + 1),
+              (group_size * int(rng.integers(1, 3 * step // group_size)), int(rng.integers(1, 24)))]
     metal = emulated()
-    for M in range(1, 17):
-        got = run(metal, x[:M], w, scales, biases, mode, bits, group_size, rows=16)
-        assert got.shape == (M, N) and got.dtype == dtype
-        assert_matches_reference(got, x[:M], w, scales, biases, mode, bits, group_size)
+    for K, N in shapes:
+        x, w, scales, biases = layer(seed, K, N, mode, bits, group_size, dtype)
+        for M in range(1, 17):
+            got = run(metal, x[:M], w, scales, biases, mode, bits, group_size, rows=16)
+            assert got.shape == (M, N) and got.dtype == dtype
+            assert_matches_reference(got, x[:M], w, scales, biases, mode, bits, group_size)
 
 
 def test_every_accumulator_count_and_free_running_threads():
@@ -220,3 +225,24 @@ def test_the_traffic_model_follows_mlx_dispatch_rules():
     assert traffic.expert_bytes(moe, 16) < 16 * traffic.expert_bytes(moe, 1)  # sorted: distinct experts once
     assert traffic.cycle_cost(traffic.QWEN35_9B, 8, 15, ours=True) < traffic.cycle_cost(traffic.QWEN35_9B, 8, 15, ours=False)
     assert any(line.startswith("| M3/M4 | 8 | qmv_wide x2") for line in traffic.tables())
+
+
+def test_load_routes_the_pair_through_the_cached_choices(tmp_path, monkeypatch):
+    """``load(..., matmuls=...)`` as on a Mac, with this device's cache already holding every shape
+    of the demo pair's w4 draft (the kernel measured faster): the draft's passes run the kernel, the
+    output is the target's own."""
+    from dflash_mlx import api
+
+    monkeypatch.setenv("DFLASH_MLX_HOME", str(tmp_path))
+    plain, tokenizer = api.load("demo", draft_quant="w4", matmuls=None)
+    assert plain.matmuls is None and not quantized.routes_to_metal(plain.draft)
+    cache = quantized.TuningCache.for_this_device()
+    cache.record([quantized.Timing(s, 2.0, 1.0) for s in quantized.shapes_of([plain.target, plain.draft])])
+    metal = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST))
+    routed, _ = api.load("demo", draft_quant="w4", matmuls=quantized.QuantizedMatmuls(metal))
+    assert quantized.routes_to_metal(routed.draft) and all(layer.eager for layer in routed.draft.layers)
+    assert set(routed.matmuls.choices.values()) == {quantized.OURS}
+    prompt = "def fib(n):"
+    texts = [api.generate(m, tokenizer, prompt, max_tokens=12, block_tokens=4) for m in (plain, routed)]
+    assert texts[0] == texts[1]
+    assert any(k.startswith("quantized_verify") and v == "ok" for k, v in metal.report().items())
