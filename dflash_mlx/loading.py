@@ -5,7 +5,7 @@ from __future__ import annotations
 import glob
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -81,38 +81,74 @@ def read_weights(path: Path) -> Dict[str, mx.array]:
     return weights
 
 
-def quantize_from_config(model: nn.Module, quantization: Dict[str, Any], weights: Dict[str, mx.array]):
-    """Turn the layers that the checkpoint stores quantized into quantized layers."""
+def mlx_quantization(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """The MLX quantization block of a config (``quantization`` or ``quantization_config``, at the
+    top or in ``text_config``); other frameworks' blocks (FP8, NVFP4, GPTQ...) are refused by name."""
+    for where in (config, config.get("text_config") or {}):
+        for key in ("quantization", "quantization_config"):
+            block = where.get(key)
+            if not block:
+                continue
+            if "bits" in block or "group_size" in block:
+                return block
+            method = block.get("quant_method", "unknown")
+            raise CheckpointError(f"quantization method {method!r} ({key}) is not MLX's: load the BF16 release, "
+                                  "or convert it with `dflash-mlx convert-target --quant w4`")
+    return None
+
+
+def quantize_from_config(model: nn.Module, quantization: Dict[str, Any], weights: Dict[str, mx.array],
+                         module_path: Callable[[str], Optional[str]] = lambda key: key) -> None:
+    """Turn the layers that the checkpoint stores quantized into quantized layers. Per-layer
+    overrides (siblings of ``bits``/``group_size``) are keyed by the checkpoint's own module paths,
+    mapped through ``module_path``; ``None`` values in them (``"group_size": null``) mean the
+    block's defaults; ``false`` keeps a layer unquantized."""
+    defaults = {"group_size": quantization.get("group_size"), "bits": quantization.get("bits"),
+                "mode": quantization.get("mode", "affine")}
+    overrides: Dict[str, Any] = {}
+    for key, value in quantization.items():
+        if isinstance(value, (dict, bool)) and key not in defaults:
+            path = module_path(key)
+            if path is not None:
+                overrides[path] = {**defaults, **{k: v for k, v in value.items() if v is not None}} if isinstance(value, dict) else value
 
     def predicate(path, module):
-        if path in quantization and isinstance(quantization[path], dict):
-            return quantization[path]
-        return hasattr(module, "to_quantized") and f"{path}.scales" in weights
+        if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
+            return False
+        return overrides.get(path, True)
 
-    nn.quantize(
-        model,
-        group_size=quantization["group_size"],
-        bits=quantization["bits"],
-        mode=quantization.get("mode", "affine"),
-        class_predicate=predicate,
-    )
+    nn.quantize(model, group_size=defaults["group_size"], bits=defaults["bits"], mode=defaults["mode"],
+                class_predicate=predicate)
+
+
+TARGET_TYPES = {"qwen3_5": "dense", "qwen3_5_text": "dense", "qwen3_5_moe": "moe", "qwen3_5_moe_text": "moe"}
 
 
 def load_target(path: Path, recurrence=None) -> Tuple[Any, Dict[str, Any]]:
-    """A Qwen3.5 target (``models.qwen3_5.Model``) and its config. ``recurrence``
-    (``kernels.Recurrence``) overrides how its Gated DeltaNet layers run; by default the kernels
-    on an Apple GPU, the chunked pure-MLX form on the CPU."""
-    from .models import qwen3_5
+    """A Qwen3.5 target (``models.qwen3_5.Model``, or ``models.qwen3_5_moe.Model`` for the mixture
+    of experts) and its config. ``recurrence`` (``kernels.Recurrence``) overrides how its Gated
+    DeltaNet layers run; by default the kernels on an Apple GPU, the chunked pure-MLX form on the CPU."""
+    from .models import qwen3_5, qwen3_5_moe
 
     config = read_config(path)
     model_type = config.get("model_type", "")
-    if model_type not in ("qwen3_5", "qwen3_5_text"):
-        raise CheckpointError(f"{path}: model_type {model_type!r} is not a Qwen3.5 (dense) model")
-    model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict(config))
-    weights = model.sanitize(read_weights(path))
-    quantization = config.get("quantization") or (config.get("text_config") or {}).get("quantization")
+    kind = TARGET_TYPES.get(model_type) or TARGET_TYPES.get((config.get("text_config") or {}).get("model_type", ""))
+    if kind is None:
+        raise CheckpointError(f"{path}: model_type {model_type!r} is not a Qwen3.5 model "
+                              f"(expected one of {', '.join(TARGET_TYPES)})")
+    module = qwen3_5_moe if kind == "moe" else qwen3_5
+    try:
+        model = module.Model(module.ModelArgs.from_dict(config))
+        weights = model.sanitize(read_weights(path))
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from e
+    quantization = mlx_quantization(config)
     if quantization:
-        quantize_from_config(model, quantization, weights)
+        quantize_from_config(model, quantization, weights, qwen3_5.module_path)
+    if kind == "moe" and mx.default_device() == mx.cpu:
+        model.experts_in_float32()
+        weights = {k: v.astype(mx.float32) if ".switch_mlp." in k and v.dtype in (mx.bfloat16, mx.float16) else v
+                   for k, v in weights.items()}
     if recurrence is not None:
         model.use_recurrence(recurrence)
     return _load_weights(model, weights, path), config
@@ -133,6 +169,7 @@ def load_draft(path: Path) -> Tuple[dflash_model.DFlashDraft, Dict[str, Any]]:
     args = dflash_model.DraftArgs.from_dict(config)
     model = dflash_model.DFlashDraft(args)
     weights = model.sanitize(read_weights(path))
-    if config.get("quantization"):
-        quantize_from_config(model, config["quantization"], weights)
+    quantization = mlx_quantization(config)
+    if quantization:
+        quantize_from_config(model, quantization, weights)
     return _load_weights(model, weights, path), config

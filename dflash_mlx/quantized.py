@@ -145,14 +145,16 @@ class QuantizedMatmuls:
             return None
         return cls(kernels.process_metal_kernels(), TuningCache.for_this_device().choices())
 
-    def matmul(self, x: mx.array, w, scales, biases, group_size: int, bits: int, mode: str) -> Optional[mx.array]:
-        """``x @ dequant(w).T`` through the kernel, or None where stock should run."""
+    def matmul(self, x: mx.array, w, scales, biases, group_size: int, bits: int, mode: str,
+               always: bool = False) -> Optional[mx.array]:
+        """``x @ dequant(w).T`` through the kernel, or None where stock should run (``always``:
+        the kernel whatever the tuner measured, wherever it has a form and passed its self-check)."""
         K = x.shape[-1]
         rows = x.size // K if K else 0
         if not 1 <= rows <= MAX_ROWS or not kernel_supports(bits, group_size, mode):
             return None
         shape = MatmulShape(K, w.shape[0], bits, group_size, mode, rows, str(x.dtype).split(".")[-1])
-        if self.choices.get(shape) != OURS:
+        if not always and self.choices.get(shape) != OURS:
             return None
         launch = quantized_verify_launch(x.reshape(rows, K), w, scales, biases, group_size, bits, mode)
         if not self.metal.usable(KERNEL, launch.template, _check_quantized):
@@ -163,6 +165,17 @@ class QuantizedMatmuls:
 def _route(layer, x, weight, scales, biases, group_size, bits, mode) -> Optional[mx.array]:
     matmuls = layer.matmuls
     return None if matmuls is None else matmuls.matmul(x, weight, scales, biases, group_size, bits, mode)
+
+
+def kernel_rows(layer: nn.Module, x: mx.array) -> Optional[mx.array]:
+    """``layer(x)`` through the verify kernel whatever the tuner chose, so that each row is computed
+    exactly as it would be alone (a router's choice may not depend on the rows beside it); None
+    where the layer is not routed to Metal or the kernel cannot take it."""
+    if not isinstance(layer, QuantizedLinear) or layer.matmuls is None:
+        return None
+    y = layer.matmuls.matmul(x, layer["weight"], layer["scales"], layer.get("biases"), layer.group_size, layer.bits,
+                             layer.mode, always=True)
+    return y if y is None or "bias" not in layer else y + layer["bias"]
 
 
 class QuantizedLinear(nn.QuantizedLinear):

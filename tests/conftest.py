@@ -78,3 +78,70 @@ def draft(tmp_path_factory, target, target_config) -> DFlashDraft:
 def random_prompts(n: int, vocab: int, seed: int = 0, low: int = 3, high: int = 20):
     rng = np.random.default_rng(seed)
     return [mx.array(rng.integers(0, vocab - 1, rng.integers(low, high)).astype(np.int32)) for _ in range(n)]
+
+
+def moe_text_params(vocab_size: int = VOCAB, **overrides) -> dict:
+    """A 4-layer Qwen3.5 mixture of experts: 8 experts, 2 per token, a shared expert."""
+    params = tiny.target_config(vocab_size, **overrides)
+    for key in ("architectures", "dtype", "intermediate_size"):
+        params.pop(key, None)
+    params.update(model_type="qwen3_5_moe_text", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                  shared_expert_intermediate_size=96)
+    params.update(overrides)
+    return params
+
+
+def make_hf_moe_target(path: Path, layout: str = "per_expert", vocab_size: int = VOCAB, seed: int = 0,
+                       dtype: str = "float32", **overrides) -> Path:
+    """A random ``Qwen3_5MoeForCausalLM`` saved by transformers (one tensor per expert, as
+    transformers 5 writes it), or rewritten in the published BF16 release's multimodal layout with
+    fused experts (``layout="fused"``: ``model.language_model.*``, ``experts.gate_up_proj``)."""
+    import torch
+    from safetensors.numpy import load_file, save_file
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    eos = tiny.write_tokenizer(path, vocab_size) if vocab_size >= 300 else None
+    params = moe_text_params(vocab_size, eos_token_id=eos, **overrides)
+    params.pop("model_type")
+    torch.manual_seed(seed)
+    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**params)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("embed_tokens.weight"):
+                p.normal_(0, 0.5)
+            elif p.ndim >= 2:
+                p.normal_(0, p.shape[-1] ** -0.5)
+    model.to(getattr(torch, dtype)).save_pretrained(str(path))
+    if layout == "per_expert":
+        return path
+    assert layout == "fused", layout
+    config = json.loads((path / "config.json").read_text())
+    weights = load_file(str(path / "model.safetensors")) if dtype == "float32" else None
+    if weights is None:  # numpy has no bfloat16: go through torch
+        from safetensors.torch import load_file as load_torch, save_file as save_torch
+
+        weights, save, stack = load_torch(str(path / "model.safetensors")), save_torch, torch.stack
+        cat = torch.cat
+    else:
+        save, stack, cat = save_file, np.stack, np.concatenate
+    E = params["num_experts"]
+    fused = {}
+    for layer in range(params["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        gate = [weights.pop(f"{prefix}.{e}.gate_proj.weight") for e in range(E)]
+        up = [weights.pop(f"{prefix}.{e}.up_proj.weight") for e in range(E)]
+        down = [weights.pop(f"{prefix}.{e}.down_proj.weight") for e in range(E)]
+        fused[f"{prefix}.gate_up_proj"] = stack([cat([g, u], 0) for g, u in zip(gate, up)])
+        fused[f"{prefix}.down_proj"] = stack(down)
+    renamed = {("model.language_model." + k[len("model."):] if k.startswith("model.") else
+                "lm_head.weight" if k == "lm_head.weight" else k): v for k, v in {**weights, **fused}.items()}
+    (path / "model.safetensors").unlink()
+    save(renamed, str(path / "model.safetensors"), metadata={"format": "pt"})
+    text = {**config, "model_type": "qwen3_5_moe_text"}
+    text.pop("architectures", None)
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe", "text_config": text,
+        "vision_config": {"depth": 1}, "tie_word_embeddings": config.get("tie_word_embeddings", False)}))
+    return path

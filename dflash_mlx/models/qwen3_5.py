@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -230,8 +230,24 @@ class Attention(nn.Module):
         return self.o_proj(heads.transpose(0, 2, 1, 3).reshape(B, T, -1) * mx.sigmoid(gate))
 
 
+def module_path(key: str) -> Optional[str]:
+    """A checkpoint's tensor (or module) name as this module tree names it; None for the vision
+    tower and the MTP head, which the text model does not have."""
+    if key.startswith(("vision_tower", "model.visual", "visual.")) or "mtp." in key:
+        return None
+    for old, new in (("model.language_model.", "model."), ("language_model.model.", "model."),
+                     ("language_model.lm_head.", "lm_head.")):
+        if key.startswith(old):
+            return new + key[len(old):]
+    return key
+
+
+def dense_mlp(args: ModelArgs) -> nn.Module:
+    return MLP(args.hidden_size, args.intermediate_size)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer_type: str):
+    def __init__(self, args: ModelArgs, layer_type: str, mlp: Optional[nn.Module] = None):
         super().__init__()
         self.is_linear = layer_type == "linear_attention"
         if self.is_linear:
@@ -240,7 +256,7 @@ class DecoderLayer(nn.Module):
             self.self_attn = Attention(args)
         self.input_layernorm = ZeroCentredRMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = ZeroCentredRMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.mlp = mlp if mlp is not None else dense_mlp(args)  # a mixture of experts in qwen3_5_moe
         # Compiled forms per recurrence mode (see _pieces), and whether a quantized matmul of the
         # layer may run the Metal kernel (Model.use_quantized_matmuls): plain attributes.
         object.__setattr__(self, "_compiled", {})
@@ -291,19 +307,19 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen3_5TextModel(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, feed_forward: Callable[[ModelArgs], nn.Module] = dense_mlp):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [DecoderLayer(args, t) for t in args.layer_types]
+        self.layers = [DecoderLayer(args, t, feed_forward(args)) for t in args.layer_types]
         self.norm = ZeroCentredRMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
 class Model(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, feed_forward: Callable[[ModelArgs], nn.Module] = dense_mlp):
         super().__init__()
         self.args = args
         self.model_type = args.model_type
-        self.model = Qwen3_5TextModel(args)
+        self.model = Qwen3_5TextModel(args, feed_forward)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
@@ -367,17 +383,9 @@ class Model(nn.Module):
         """Maps HF (multimodal or text-only) and MLX checkpoints onto this module tree."""
         out = {}
         for key, value in weights.items():
-            if key.startswith(("vision_tower", "model.visual", "visual.")) or "mtp." in key:
-                continue
-            for old, new in (
-                ("model.language_model.", "model."),
-                ("language_model.model.", "model."),
-                ("language_model.lm_head.", "lm_head."),
-            ):
-                if key.startswith(old):
-                    key = new + key[len(old) :]
-                    break
-            out[key] = value
+            key = module_path(key)
+            if key is not None:
+                out[key] = value
         if self.args.tie_word_embeddings:
             out.pop("lm_head.weight", None)
         # HF stores conv weights [C, 1, K] and zero-centred norms; MLX checkpoints are converted.

@@ -1,0 +1,222 @@
+"""The mixture-of-experts target (``qwen3_5_moe``): parity with transformers and mlx-lm in every
+expert layout people publish, the router's exactness under verification, and lossless decoding."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from dflash_mlx.loading import CheckpointError, load_target
+from dflash_mlx.models import qwen3_5_moe
+from dflash_mlx.sampling import Sampler
+from dflash_mlx.speculative import speculative, target_only
+from tests.conftest import VOCAB, make_draft, make_hf_moe_target, random_prompts
+from tests.test_lossless import (
+    OracleDraft,
+    assert_caches_hold_the_committed_tokens,
+    assert_lossless,
+    take,
+)
+
+PROMPT = np.array([[5, 17, 300, 42, 99, 7, 256, 3, 128, 64, 11, 500, 2, 77]], dtype=np.int64)
+GREEDY = Sampler()
+
+
+@pytest.fixture(scope="module")
+def per_expert_dir(tmp_path_factory):
+    return make_hf_moe_target(tmp_path_factory.mktemp("moe_per_expert"), "per_expert")
+
+
+@pytest.fixture(scope="module")
+def fused_dir(tmp_path_factory):
+    return make_hf_moe_target(tmp_path_factory.mktemp("moe_fused"), "fused")
+
+
+@pytest.fixture(scope="module")
+def moe(per_expert_dir):
+    return load_target(per_expert_dir)
+
+
+def torch_logits(path, ids=PROMPT):
+    import torch
+    from transformers import Qwen3_5MoeForCausalLM
+
+    model = Qwen3_5MoeForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor(ids)).logits.numpy()
+
+
+def test_both_hf_expert_layouts_match_transformers(per_expert_dir, fused_dir, moe):
+    target, _ = moe
+    assert isinstance(target, qwen3_5_moe.Model)
+    reference = torch_logits(per_expert_dir)
+    ours = np.array(target(mx.array(PROMPT)))
+    np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=0)
+    fused, config = load_target(fused_dir)  # the multimodal BF16 release's layout, fused experts
+    assert config["model_type"] == "qwen3_5_moe"
+    np.testing.assert_array_equal(np.array(fused(mx.array(PROMPT))), ours)
+
+
+def test_cached_decoding_matches_the_full_forward(moe):
+    target, _ = moe
+    full = np.array(target(mx.array(PROMPT)))
+    cache = target.make_cache()
+    steps = [np.array(target(mx.array(PROMPT[:, i : i + 1]), cache)) for i in range(PROMPT.shape[1])]
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=5e-5, rtol=0)
+    cache = target.make_cache()
+    chunks = [np.array(target(mx.array(PROMPT[:, s : s + 5]), cache)) for s in range(0, PROMPT.shape[1], 5)]
+    np.testing.assert_allclose(np.concatenate(chunks, axis=1), full, atol=5e-5, rtol=0)
+
+
+def test_a_mixture_of_expert_layouts_is_a_clear_error(per_expert_dir, fused_dir, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    fused = load_file(str(fused_dir / "model.safetensors"))
+    per_expert = load_file(str(per_expert_dir / "model.safetensors"))
+    mixed = {k: v for k, v in fused.items() if ".layers.1.mlp.experts." not in k}
+    mixed.update({k.replace("model.", "model.language_model.", 1): v for k, v in per_expert.items() if ".layers.1.mlp.experts." in k})
+    save_file(mixed, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((fused_dir / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="mixes expert layouts"):
+        load_target(tmp_path)
+    missing = {k: v for k, v in per_expert.items() if ".layers.2.mlp.experts.5." not in k}
+    save_file(missing, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((per_expert_dir / "config.json").read_text())
+    with pytest.raises(CheckpointError, match=r"missing for experts \[5\]"):
+        load_target(tmp_path)
+
+
+def test_qwen3_6_configs_load(per_expert_dir, moe, tmp_path):
+    """Qwen3.6's extra fields (output_gate_type, language_model_only, text-level bos_token_id)."""
+    import shutil
+
+    shutil.copy(per_expert_dir / "model.safetensors", tmp_path / "model.safetensors")
+    config = json.loads((per_expert_dir / "config.json").read_text())
+    config.update(output_gate_type="sigmoid", language_model_only=True, bos_token_id=248044)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model, _ = load_target(tmp_path)
+    np.testing.assert_array_equal(np.array(model(mx.array(PROMPT))), np.array(moe[0](mx.array(PROMPT))))
+
+
+class BatchRoundingGate(nn.Module):
+    """A router projection whose rounding depends on how many rows one call carries, as Metal's
+    gemv (one row) and gemm (several) may: the router must never show a row to it beside others."""
+
+    def __init__(self, gate: nn.Module):
+        super().__init__()
+        self.inner = gate
+
+    def __call__(self, x):
+        rows = x.size // x.shape[-1]
+        logits = self.inner(x)
+        wobble = mx.where(mx.arange(logits.shape[-1]) % 2 == 0, 1.0, -1.0)  # per expert, so ranks can change
+        return logits * (1.0 + 1e-6 * (rows - 1) * wobble)
+
+
+def tied_router(block: qwen3_5_moe.SparseMoeBlock, tie: str, seed: int = 0) -> None:
+    """Router rows that make two experts tie for the k-th place on every token with u.x > 0:
+    ``exact`` (experts 0 and 2, the same row) or ``near`` (expert 1 one ulp above expert 0), the
+    k - 1 places above taken by the last experts."""
+    E, H = block.gate.weight.shape
+    k = block.top_k
+    u = np.random.default_rng(seed).standard_normal(H).astype(np.float32)
+    w = np.stack([-u * (1 + 0.01 * e) for e in range(E)])
+    for j in range(k - 1):
+        w[E - 1 - j] = 3 * u * (1 + 0.01 * j)
+    w[0] = u
+    if tie == "exact":
+        w[2] = u
+    else:
+        w[1] = u * np.float32(1 + 2e-7)
+    block.gate.weight = mx.array(w)
+
+
+@pytest.mark.parametrize("tie", ["exact", "near"])
+def test_router_choice_is_independent_of_the_rows_verified_with_it(moe, tie):
+    """Each token's experts (and weights) in a T-token call equal a one-token call's, with an
+    exact or a one-ulp tie at the k-th place and a router projection that rounds by batch size
+    (as Metal's gemv and gemm may); routed in one batched projection, the near tie flips."""
+    target, _ = moe
+    block = target.layers[0].mlp
+    saved, saved_weight = block.gate, block.gate.weight
+    x = mx.array(np.random.default_rng(1).standard_normal((1, 12, target.args.hidden_size)).astype(np.float32))
+    try:
+        tied_router(block, tie)
+        block.gate = BatchRoundingGate(block.gate)
+        singles = [block.route(x[:, t : t + 1]) for t in range(12)]
+        for T in (2, 5, 8, 12):
+            batched, weights = block.route(x[:, :T])
+            for t in range(T):
+                alone, alone_weights = singles[t]
+                assert set(np.array(batched[0, t]).tolist()) == set(np.array(alone[0, 0]).tolist()), (T, t)
+                np.testing.assert_array_equal(np.sort(np.array(weights[0, t])), np.sort(np.array(alone_weights[0, 0])))
+        if tie == "near":  # the test has teeth: one batched projection picks other experts
+            probs = mx.softmax(block.gate(x).astype(mx.float32), axis=-1)
+            picked = mx.argpartition(probs, kth=-block.top_k, axis=-1)[..., -block.top_k:]
+            flips = [set(np.array(picked[0, t]).tolist()) != set(np.array(singles[t][0][0, 0]).tolist()) for t in range(12)]
+            assert any(flips)
+    finally:
+        block.gate = saved
+        saved.weight = saved_weight  # the module-wide target, as it was
+
+
+@pytest.fixture(scope="module")
+def moe_pair(moe, tmp_path_factory):
+    target, config = moe
+    draft = make_draft(tmp_path_factory.mktemp("moe_draft"), target, config, block_size=16, seed=2)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(20, VOCAB, seed=3)
+
+
+@pytest.fixture(scope="module")
+def references(moe, prompts):
+    return [take(target_only(moe[0], p, GREEDY), 24)[0] for p in prompts]
+
+
+@pytest.mark.parametrize("block", [2, 4, 8, 16])
+def test_moe_greedy_is_lossless(moe_pair, prompts, references, block):
+    target, draft = moe_pair
+    for prompt, expected in zip(prompts, references):
+        got, _ = take(speculative(target, draft, prompt, GREEDY, block_tokens=block), 24)
+        assert_lossless(target, prompt, expected, got)
+
+
+@pytest.mark.parametrize("block", [4, 8])
+def test_moe_every_acceptance_length_and_rollback(moe, prompts, references, block):
+    target, _ = moe
+    seen = set()
+    for k, (prompt, expected) in enumerate(zip(prompts[:block], references)):
+        schedule = list(range(block))[k % block :] + list(range(block))[: k % block]
+        oracle = OracleDraft(prompt.tolist() + expected, block, schedule)
+        n = min(24, block * (block + 1) // 2 + 1)
+        cache, committed, commits = target.make_cache(), [], []
+        for commit in speculative(target, oracle, prompt, GREEDY, block_tokens=block, cache=cache):
+            commits.append(commit)
+            committed.extend(commit.tokens)
+            if k == 0:
+                assert_caches_hold_the_committed_tokens(target, cache, prompt, committed[:-1], 2e-5, f"cycle {len(commits)}")
+            if len(committed) >= n:
+                break
+        assert_lossless(target, prompt, expected[:n], committed[:n])
+        seen.update(c.accepted for c in commits[1:])
+    assert seen == set(range(block))
+
+
+def test_moe_sampling_follows_the_target(tmp_path_factory):
+    from tests import test_sampling
+
+    path = make_hf_moe_target(tmp_path_factory.mktemp("moe_small"), vocab_size=test_sampling.V, seed=5)
+    target, config = load_target(path)
+    draft = make_draft(tmp_path_factory.mktemp("moe_small_draft"), target, config, block_size=4, seed=6)
+    sampler = test_sampling.SAMPLERS[1]
+    counts = test_sampling.sampled_joint(target, draft, sampler, seed=0)
+    pvalue = test_sampling.goodness_of_fit(counts, test_sampling.exact_joint(target, sampler))
+    assert pvalue > 1e-3, f"speculative samples with the MoE target do not follow it (p={pvalue:.2g})"
