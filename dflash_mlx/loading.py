@@ -101,8 +101,9 @@ def quantize_from_config(model: nn.Module, quantization: Dict[str, Any], weights
                          module_path: Callable[[str], Optional[str]] = lambda key: key) -> None:
     """Turn the layers that the checkpoint stores quantized into quantized layers. Per-layer
     overrides (siblings of ``bits``/``group_size``) are keyed by the checkpoint's own module paths,
-    mapped through ``module_path``; ``None`` values in them (``"group_size": null``) mean the
-    block's defaults; ``false`` keeps a layer unquantized."""
+    mapped through ``module_path``, and read as mlx-lm reads them: the layer's own parameters,
+    whatever they leave out (or set to null, as ``"group_size": null``) MLX's default for the
+    layer's mode (affine unless it says otherwise); ``false`` keeps a layer unquantized."""
     defaults = {"group_size": quantization.get("group_size"), "bits": quantization.get("bits"),
                 "mode": quantization.get("mode", "affine")}
     overrides: Dict[str, Any] = {}
@@ -110,7 +111,7 @@ def quantize_from_config(model: nn.Module, quantization: Dict[str, Any], weights
         if isinstance(value, (dict, bool)) and key not in defaults:
             path = module_path(key)
             if path is not None:
-                overrides[path] = {**defaults, **{k: v for k, v in value.items() if v is not None}} if isinstance(value, dict) else value
+                overrides[path] = {k: v for k, v in value.items() if v is not None} if isinstance(value, dict) else value
 
     def predicate(path, module):
         if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:

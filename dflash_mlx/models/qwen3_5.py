@@ -239,6 +239,8 @@ def module_path(key: str) -> Optional[str]:
                      ("language_model.lm_head.", "lm_head.")):
         if key.startswith(old):
             return new + key[len(old):]
+        if key == old[:-1]:  # the module itself (a quantization override names modules)
+            return new[:-1]
     return key
 
 
