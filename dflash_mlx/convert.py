@@ -182,11 +182,12 @@ def _staging(output: Path, force: bool) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def normalized_draft_config(args: DraftArgs, target_layer_ids: List[int]) -> Dict:
-    """One schema for every draft we write: z-lab's nested one."""
+def normalized_draft_config(args: DraftArgs, target_layer_ids: List[int], num_target_layers: int) -> Dict:
+    """One schema for every draft we write: z-lab's nested one, with what its loaders require."""
     config = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
+        "num_target_layers": num_target_layers,
         "hidden_size": args.hidden_size,
         "num_hidden_layers": args.num_hidden_layers,
         "num_attention_heads": args.num_attention_heads,
@@ -274,7 +275,7 @@ def convert_draft(
         raise ConversionError(str(e)) from e
     ids = list(model.args.target_layer_ids or evenly_spaced_layer_ids(target_layers, model.args.num_hidden_layers))
     quantization = quantize_draft(model, quantize_draft_spec)
-    config = normalized_draft_config(model.args, ids)
+    config = normalized_draft_config(model.args, ids, target_layers)
     meta = {
         "draft": draft, "draft_revision": draft_rev, "target": target, "target_revision": target_rev,
         "base_tokenizer": base_tokenizer, "quantization": quantization,

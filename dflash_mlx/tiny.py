@@ -177,7 +177,7 @@ def draft_config(
     else:
         raise ValueError(f"unknown draft schema {schema!r}")
     if is_causal is not None:
-        config["dflash_config"]["is_causal"] = is_causal
+        config["is_causal"] = is_causal  # top level, where z-lab's loaders read it
     return config
 
 

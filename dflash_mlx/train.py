@@ -73,7 +73,8 @@ def new_draft_config(
         "rms_norm_eps": a.rms_norm_eps,
         "max_position_embeddings": 262144,
         "vocab_size": a.vocab_size,
-        "layer_types": ["full_attention"] * (num_layers - block_only_layers) + ["sliding_attention"] * block_only_layers,
+        "num_target_layers": a.num_hidden_layers,
+        "layer_types": ["full_attention"] * (num_layers - block_only_layers) + ["block_attention"] * block_only_layers,
         "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta},
         "dflash_config": {
             "block_size": block_size,
@@ -81,10 +82,8 @@ def new_draft_config(
             "target_layer_ids": taps,
         },
     }
-    if block_only_layers:
-        config["sliding_window"] = 1
     if causal:
-        config["dflash_config"]["is_causal"] = True
+        config["is_causal"] = True  # top level, where z-lab's loaders read it
     return config
 
 

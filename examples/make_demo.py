@@ -272,7 +272,21 @@ def fit(model, next_batch, steps: int, lr: float, seed: int, label: str, target_
             print(f"{label} step {step + 1}/{steps} loss {mean:.3f} ({time.time() - t0:.0f} s)", flush=True)
     model.eval()
     model.save_pretrained(str(target_dir))
+    record_attention_interval(target_dir)
     return losses
+
+
+def record_attention_interval(target_dir: Path) -> None:
+    """Write ``full_attention_interval`` beside ``layer_types`` (transformers saves only the latter,
+    and mlx-lm places full attention by the interval alone, 4 when it is missing)."""
+    config_file = target_dir / "config.json"
+    config = json.loads(config_file.read_text())
+    types = config["layer_types"]
+    interval = types.index("full_attention") + 1
+    if any((t == "full_attention") != ((i + 1) % interval == 0) for i, t in enumerate(types)):
+        raise ValueError(f"layer_types {types} are not one full-attention layer every {interval}")
+    config["full_attention_interval"] = interval
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def train_target(corpus: Path, target_dir: Path, eos: int, steps: int, batch: int, seq_len: int, lr: float, seed: int) -> list:

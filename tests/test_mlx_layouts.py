@@ -11,7 +11,6 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
 
 from dflash_mlx.loading import load_target
 from tests.conftest import make_hf_moe_target
@@ -31,8 +30,9 @@ RECIPES = {
 def multimodal(text_dir: Path, out: Path) -> Path:
     """A text-only HF checkpoint as the released multimodal layout (what mlx-lm's converter reads)."""
     out.mkdir(parents=True, exist_ok=True)
-    weights = load_file(str(text_dir / "model.safetensors"))
-    save_file({k.replace("model.", "model.language_model.", 1): v for k, v in weights.items()}, str(out / "model.safetensors"))
+    weights = mx.load(str(text_dir / "model.safetensors"))  # bfloat16 too (numpy has none)
+    mx.save_safetensors(str(out / "model.safetensors"), {k.replace("model.", "model.language_model.", 1): v
+                                                          for k, v in weights.items()}, metadata={"format": "pt"})
     text = json.loads((text_dir / "config.json").read_text())
     config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
               "text_config": {**text, "model_type": "qwen3_5_text"}, "vision_config": {"depth": 1},

@@ -220,3 +220,27 @@ def test_moe_sampling_follows_the_target(tmp_path_factory):
     counts = test_sampling.sampled_joint(target, draft, sampler, seed=0)
     pvalue = test_sampling.goodness_of_fit(counts, test_sampling.exact_joint(target, sampler))
     assert pvalue > 1e-3, f"speculative samples with the MoE target do not follow it (p={pvalue:.2g})"
+
+
+def test_a_nested_schema_draft_for_a_moe_target_converts_and_is_lossless(tmp_path):
+    """z-lab's MoE drafts read 8 taps (nested schema): `dflash-mlx convert` pairs one with a MoE
+    target in the release layout, and the pair decodes losslessly."""
+    import subprocess
+    import sys
+
+    from dflash_mlx import api, tiny
+
+    target_dir = make_hf_moe_target(tmp_path / "target", "fused", num_hidden_layers=8, seed=7)
+    text = json.loads((target_dir / "config.json").read_text())["text_config"]
+    tiny.write_draft(tmp_path / "zlab", tiny.draft_config(text, block_size=8, target_layer_ids=list(range(8))), seed=3)
+    done = subprocess.run([sys.executable, "-m", "dflash_mlx.cli", "convert", "--out", str(tmp_path / "out"), "--draft",
+                           str(tmp_path / "zlab"), "--target", str(target_dir), "--base-tokenizer", "none"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    model, _ = api.load(str(target_dir), draft=str(tmp_path / "out"))
+    assert isinstance(model.target, qwen3_5_moe.Model) and model.draft.target_layer_ids == list(range(8))
+    for prompt in random_prompts(4, VOCAB, seed=9):
+        expected, _ = take(target_only(model.target, prompt, GREEDY), 20)
+        for block in (4, 8):
+            got, _ = take(speculative(model.target, model.draft, prompt, GREEDY, block_tokens=block), 20)
+            assert_lossless(model.target, prompt, expected, got)

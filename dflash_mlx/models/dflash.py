@@ -25,6 +25,13 @@ def evenly_spaced_layer_ids(num_target_layers: int, num_draft_layers: int) -> Li
     return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
+# z-lab's layer types, and ours: a ``block_attention`` layer reads no context, only the block
+# (z-lab's torch reference would read a one-token sliding window as "each slot sees itself", so we
+# record it under a name that other loaders refuse instead of one they would misread).
+LAYER_TYPES = ("full_attention", "sliding_attention", "block_attention")
+OURS_ONLY_LAYER_TYPES = ("block_attention",)
+
+
 @dataclass
 class DraftArgs:
     hidden_size: int
@@ -54,9 +61,9 @@ class DraftArgs:
             raise ValueError(
                 f"draft layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
             )
-        unknown = set(self.layer_types) - {"full_attention", "sliding_attention"}
+        unknown = set(self.layer_types) - set(LAYER_TYPES)
         if unknown:
-            raise ValueError(f"unsupported draft layer types: {sorted(unknown)}")
+            raise ValueError(f"unsupported draft layer types: {sorted(unknown)} (known: {', '.join(LAYER_TYPES)})")
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ValueError("draft config has sliding_attention layers but no sliding_window")
         if self.block_size < 2:
@@ -182,7 +189,8 @@ class DraftAttention(nn.Module):
         self.n_kv_heads = args.num_key_value_heads
         self.head_dim = args.head_dim
         self.scale = self.head_dim**-0.5
-        self.sliding_window = args.sliding_window if layer_type == "sliding_attention" else None
+        # A block-only layer is a sliding window of one: no context position is within it.
+        self.sliding_window = {"sliding_attention": args.sliding_window, "block_attention": 1}.get(layer_type)
         sliding = self.sliding_window is not None
         self.is_causal = sliding if args.is_causal is None else bool(args.is_causal)
         bias = args.attention_bias
