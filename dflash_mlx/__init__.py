@@ -17,7 +17,7 @@ _EXPORTS = {
     "Sampler": "sampling",
     "make_sampler": "sampling",
     "convert_draft": "convert",
-    "convert_target": "convert",
+    "convert_target": "target_conversion",
 }
 __all__ = list(_EXPORTS)
 

@@ -478,14 +478,30 @@ def convert_target(
     revision: Optional[str] = typer.Option(None, "--revision", help="Revision (branch, tag or commit)."),
     force: bool = typer.Option(False, "--force", help="Replace the output folder if it exists."),
 ) -> None:
-    """Convert a Hugging Face Qwen3.5 target to a text-only MLX checkpoint (vision tower and MTP dropped)."""
-    from .convert import convert_target as run
-    from .loading import CheckpointError
+    """Convert a Hugging Face Qwen3.5 target (dense or mixture of experts) to a text-only MLX
+    checkpoint (vision tower and MTP dropped), streamed tensor by tensor: memory stays near one
+    512 MB shard plus the largest source tensor; the progress line shows the peak."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    try:
-        path = run(model, out, quant=quant, revision=revision, force=force)
-    except (CheckpointError, ValueError) as e:
-        _fail(str(e))
+    from .loading import CheckpointError
+    from .target_conversion import convert_target as run
+
+    peak = [0]
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("peak {task.fields[peak]}"), console=Console(stderr=True), transient=False) as bar:
+        task = bar.add_task("converting tensors", total=None, peak="-")
+
+        def progress(done: int, total: int, peak_bytes: int) -> None:
+            peak[0] = peak_bytes
+            bar.update(task, completed=done, total=total, peak=f"{peak_bytes / 1024**3:.2f} GB resident")
+
+        try:
+            path = run(model, out, quant=quant, revision=revision, force=force, progress=progress)
+        except (CheckpointError, ValueError) as e:
+            bar.stop()
+            _fail(str(e))
+    typer.secho(f"peak resident memory {peak[0] / 1024**3:.2f} GB", err=True)
     typer.echo(str(path))
 
 

@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Tuple
 
-from .convert import DEFAULT_DRAFT, DEFAULT_TARGET, convert_draft, convert_target
+from .convert import DEFAULT_DRAFT, DEFAULT_TARGET, convert_draft
+from .target_conversion import convert_target
 
 DEMO = "demo"
 DEMO_DIR = Path(__file__).parent / "demo"

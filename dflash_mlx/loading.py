@@ -125,6 +125,15 @@ def quantize_from_config(model: nn.Module, quantization: Dict[str, Any], weights
 TARGET_TYPES = {"qwen3_5": "dense", "qwen3_5_text": "dense", "qwen3_5_moe": "moe", "qwen3_5_moe_text": "moe"}
 
 
+def target_kind(config: Dict[str, Any]) -> str:
+    """``"dense"`` or ``"moe"`` for a Qwen3.5 target's config (multimodal or text-only)."""
+    model_type = config.get("model_type", "")
+    kind = TARGET_TYPES.get(model_type) or TARGET_TYPES.get((config.get("text_config") or {}).get("model_type", ""))
+    if kind is None:
+        raise CheckpointError(f"model_type {model_type!r} is not a Qwen3.5 model (expected one of {', '.join(TARGET_TYPES)})")
+    return kind
+
+
 def load_target(path: Path, recurrence=None) -> Tuple[Any, Dict[str, Any]]:
     """A Qwen3.5 target (``models.qwen3_5.Model``, or ``models.qwen3_5_moe.Model`` for the mixture
     of experts) and its config. ``recurrence`` (``kernels.Recurrence``) overrides how its Gated
@@ -132,11 +141,10 @@ def load_target(path: Path, recurrence=None) -> Tuple[Any, Dict[str, Any]]:
     from .models import qwen3_5, qwen3_5_moe
 
     config = read_config(path)
-    model_type = config.get("model_type", "")
-    kind = TARGET_TYPES.get(model_type) or TARGET_TYPES.get((config.get("text_config") or {}).get("model_type", ""))
-    if kind is None:
-        raise CheckpointError(f"{path}: model_type {model_type!r} is not a Qwen3.5 model "
-                              f"(expected one of {', '.join(TARGET_TYPES)})")
+    try:
+        kind = target_kind(config)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from e
     module = qwen3_5_moe if kind == "moe" else qwen3_5
     try:
         model = module.Model(module.ModelArgs.from_dict(config))

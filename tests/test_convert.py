@@ -197,17 +197,60 @@ def test_draft_for_another_tokenizer_warns_on_load(hub, tmp_path, world):
 
 
 def test_target_conversion_loads_in_ours(hf_target_dir, target, tmp_path):
-    from dflash_mlx.convert import ConversionError, convert_target
+    """Streamed conversion: float output equal to the source; 4-bit output equal, tensor for tensor,
+    to quantizing the loaded model in memory (what mlx-lm's converter does)."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from dflash_mlx.convert import ConversionError
     from dflash_mlx.loading import load_target
+    from dflash_mlx.target_conversion import convert_target
 
     prompt = mx.array([[5, 17, 300, 42, 99, 7]])
-    convert_target(str(hf_target_dir), tmp_path / "f32")
+    seen = []
+    convert_target(str(hf_target_dir), tmp_path / "f32", progress=lambda done, total, peak: seen.append((done, total, peak)))
+    assert seen and seen[-1][0] == seen[-1][1] and seen[-1][2] > 0
     converted, config = load_target(tmp_path / "f32")
     assert config["model_type"] == "qwen3_5_text"
     np.testing.assert_array_equal(np.array(converted(prompt)), np.array(target(prompt)))
     convert_target(str(hf_target_dir), tmp_path / "q4", quant="w4:gs32")
     quantized, config = load_target(tmp_path / "q4")
-    assert config["quantization"]["bits"] == 4 and np.isfinite(np.array(quantized(prompt))).all()
+    assert config["quantization"] == {"group_size": 32, "bits": 4, "mode": "affine"}
+    reference, _ = load_target(hf_target_dir)
+    nn.quantize(reference, group_size=32, bits=4)
+    want, got = dict(tree_flatten(reference.parameters())), dict(tree_flatten(quantized.parameters()))
+    assert want.keys() == got.keys()
+    for key in want:
+        np.testing.assert_array_equal(np.array(got[key]), np.array(want[key]), err_msg=key)
     assert (tmp_path / "q4" / "tokenizer.json").exists()
     with pytest.raises(ConversionError, match="already exists"):
         convert_target(str(hf_target_dir), tmp_path / "q4")
+    with pytest.raises(ConversionError, match="already an MLX quantized checkpoint"):
+        convert_target(str(tmp_path / "q4"), tmp_path / "again")
+    assert not (tmp_path / "again").exists()
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+def test_moe_target_conversion(tmp_path, layout):
+    """Both HF expert layouts -> stacked 4-bit experts, the router and shared-expert gate at 8 bits."""
+    from dflash_mlx.loading import load_target
+    from dflash_mlx.target_conversion import convert_target
+    from tests.conftest import make_hf_moe_target
+
+    source = make_hf_moe_target(tmp_path / "src", layout)
+    convert_target(str(source), tmp_path / "q4", quant="w4:gs32")
+    config = json.loads((tmp_path / "q4" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5_moe_text"
+    assert config["quantization"]["model.layers.0.mlp.gate"] == {"bits": 8, "group_size": 64}
+    model, _ = load_target(tmp_path / "q4")
+    assert model.layers[0].mlp.switch_mlp.gate_proj.bits == 4 and model.layers[0].mlp.gate.bits == 8
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    reference, _ = load_target(source)  # quantized in memory with the same recipe
+    eight_bit = lambda path, m: {"group_size": 64, "bits": 8} if path.endswith(("mlp.gate", "shared_expert_gate")) else True  # noqa: E731
+    nn.quantize(reference, group_size=32, bits=4, class_predicate=lambda p, m: hasattr(m, "to_quantized") and eight_bit(p, m))
+    want, got = dict(tree_flatten(reference.parameters())), dict(tree_flatten(model.parameters()))
+    assert want.keys() == got.keys()
+    for key in want:
+        np.testing.assert_array_equal(np.array(got[key]), np.array(want[key]), err_msg=key)

@@ -180,8 +180,8 @@ def test_content_match_init_points_the_anchor_slot_at_the_position_before_it(tie
     target = model.target
     last = target.args.num_hidden_layers - 1
     config = new_draft_config(target, 2, 4, target.args.vocab_size - 1, [1, last], block_only_layers=1, causal=True)
-    assert config["layer_types"] == ["full_attention", "sliding_attention"] and config["sliding_window"] == 1
-    assert config["dflash_config"]["is_causal"] is True
+    assert config["layer_types"] == ["full_attention", "block_attention"] and "sliding_window" not in config
+    assert config["is_causal"] is True
     draft = DFlashDraft(DraftArgs.from_dict(config)).bind(target)
     content_match_init(draft, target)
     rng = np.random.default_rng(0)
@@ -228,7 +228,7 @@ def test_the_recipe_trains_and_writes_a_draft_our_loader_takes(tied, tmp_path):
     )
     assert done.returncode == 0, done.stderr
     config = json.loads((out / "config.json").read_text())
-    assert config["layer_types"] == ["full_attention", "sliding_attention"] and config["dflash_config"]["is_causal"]
+    assert config["layer_types"] == ["full_attention", "block_attention"] and config["is_causal"]
     draft, _ = load_draft(out)
     draft.bind(model.target)
     prompt = mx.array(tokenizer.encode("def fibonacci(n):"))

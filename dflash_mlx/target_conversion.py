@@ -1,0 +1,175 @@
+"""Hugging Face Qwen3.5 checkpoints (dense or mixture of experts) -> text-only MLX checkpoints,
+streamed: tensor by tensor, shard by shard.
+
+The default pair's first use converts Qwopus3.5-9B-Coder (about 18 GB in bf16) to 4-bit on Macs
+with 18 GB of memory. MLX loads safetensors lazily and the module tree is built without
+materializing a weight, so the whole conversion is one lazy graph per output tensor: each source
+tensor is read when its output is evaluated, quantized, kept until its shard is full, written, and
+freed. The peak stays near one shard plus the largest source tensor, whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import shutil
+import sys
+from pathlib import Path
+from typing import Callable, Dict, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from . import loading
+
+SHARD_BYTES = 512 * 1024**2
+# mlx-community's recipe for the mixture of experts: the router and the shared expert's gate stay
+# at 8 bits, group 64 (their rows decide which experts run).
+EIGHT_BIT_MODULES = ("mlp.gate", "mlp.shared_expert_gate")
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident memory so far (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+CHUNK_BYTES = 64 * 1024**2
+
+
+def quantize_rows(weight: mx.array, group_size: int, bits: int, chunk_bytes: int = CHUNK_BYTES):
+    """``mx.quantize`` a few rows at a time (groups run along rows, so the result is the same bit
+    for bit) to bound its float temporaries: a 248k-row embedding is quantized in 64 MB slices."""
+    shape, K = weight.shape, weight.shape[-1]
+    flat = weight.reshape(-1, K)
+    step = max(1, chunk_bytes // (K * weight.dtype.size))
+    parts = []
+    for start in range(0, flat.shape[0], step):
+        part = mx.quantize(flat[start : start + step], group_size, bits)
+        mx.eval(part)
+        parts.append(part)
+    out = [mx.concatenate([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(3)]
+    return [o.reshape(*shape[:-1], o.shape[-1]) for o in out]
+
+
+def _quantized_form(path: str, module: nn.Module, weight: mx.array, bits: int, group_size: int) -> Optional[dict]:
+    """How a module's weight is quantized (None: kept as it is), as mlx-lm's converter decides."""
+    if not hasattr(module, "to_quantized") or weight.ndim < 2:
+        return None
+    if path.endswith(EIGHT_BIT_MODULES):
+        bits, group_size = 8, 64
+    if weight.shape[-1] % group_size:
+        return None
+    return {"bits": bits, "group_size": group_size}
+
+
+def _skeleton(config: Dict):
+    """The target's module tree for ``config``, no weight materialized (MLX is lazy)."""
+    from .models import qwen3_5, qwen3_5_moe
+
+    module = qwen3_5_moe if loading.target_kind(config) == "moe" else qwen3_5
+    return module.Model(module.ModelArgs.from_dict(config))
+
+
+def convert_tensors(source: Path, config: Dict, staging: Path, quant: Optional[tuple],
+                    progress: Optional[Callable[[int, int, int], None]] = None,
+                    shard_bytes: int = SHARD_BYTES) -> Dict:
+    """Write ``source``'s target weights to ``staging`` as MLX shards; returns the quantization
+    block for the config (or {}). ``progress(done, total, peak_bytes)`` after each tensor."""
+    model = _skeleton(config)
+    modules = dict(model.named_modules())
+    expected = {k for k, _ in tree_flatten(model.parameters())}
+    weights = model.sanitize(loading.read_weights(source))  # lazy: nothing read yet
+    missing = sorted(expected - set(weights))
+    unknown = sorted(set(weights) - expected)
+    if missing or unknown:
+        raise loading.CheckpointError(f"{source}: weights do not match its config (missing {missing[:3]}, "
+                                      f"unexpected {unknown[:3]})")
+    bits, group_size = quant or (None, None)
+    overrides: Dict[str, dict] = {}
+    shard: Dict[str, mx.array] = {}
+    shard_size, files, weight_map = 0, [], {}
+
+    def flush():
+        nonlocal shard, shard_size
+        if not shard:
+            return
+        name = f"model-{len(files) + 1:05d}.safetensors"
+        mx.save_safetensors(str(staging / name), shard, metadata={"format": "mlx"})
+        files.append(name)
+        weight_map.update({k: name for k in shard})
+        shard, shard_size = {}, 0
+
+    names = sorted(weights)
+    for i, key in enumerate(names):
+        value = weights.pop(key)  # dropped from the graph's roots: freed once written
+        path, _, leaf = key.rpartition(".")
+        form = _quantized_form(path, modules.get(path), value, bits, group_size) if quant and leaf == "weight" else None
+        if form is None:
+            out = {key: value}
+        else:
+            w, scales, biases = quantize_rows(value, form["group_size"], form["bits"])
+            out = {key: w, f"{path}.scales": scales, f"{path}.biases": biases}
+            if (form["bits"], form["group_size"]) != (bits, group_size):
+                overrides[path] = form
+        mx.eval(out)
+        del value
+        shard.update(out)
+        shard_size += sum(a.nbytes for a in out.values())
+        if shard_size >= shard_bytes:
+            flush()
+        if progress is not None:
+            progress(i + 1, len(names), peak_resident_bytes())
+    flush()
+    index = {"metadata": {"total_size": sum((staging / f).stat().st_size for f in files)}, "weight_map": weight_map}
+    (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    if not quant:
+        return {}
+    return {"group_size": group_size, "bits": bits, "mode": "affine", **overrides}
+
+
+def text_config(config: Dict) -> Dict:
+    """The text model's config, as a text-only checkpoint of its kind declares it."""
+    text = dict(config.get("text_config") or config)
+    moe = loading.target_kind(config) == "moe"
+    text["model_type"] = "qwen3_5_moe_text" if moe else "qwen3_5_text"
+    text["architectures"] = ["Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"]
+    for key in ("tie_word_embeddings", "eos_token_id"):
+        if key not in text and key in config:
+            text[key] = config[key]
+    for key in ("quantization", "quantization_config"):
+        text.pop(key, None)
+    return text
+
+
+def convert_target(model: str, output: str | Path, quant: Optional[str] = None, revision: Optional[str] = None,
+                   force: bool = False, progress: Optional[Callable[[int, int, int], None]] = None) -> Path:
+    """A Hugging Face Qwen3.5 checkpoint (dense or MoE; local folder or repo) -> a text-only MLX
+    checkpoint, optionally 4/8-bit, written shard by shard (see the module's docstring)."""
+    from .convert import TARGET_FILES, TOKENIZER_FILES, ConversionError, _staging
+    from .models.dflash import parse_quant
+
+    output = Path(output)
+    if output.exists() and not force:
+        raise ConversionError(f"{output} already exists (use --force to replace it)")
+    parsed = parse_quant(quant)  # a bad spec fails before any download
+    source, _ = loading.fetch(model, TARGET_FILES, revision)
+    config = loading.read_config(source)
+    if loading.mlx_quantization(config):
+        raise ConversionError(f"{source} is already an MLX quantized checkpoint: load it as it is")
+    try:
+        loading.target_kind(config)
+    except loading.CheckpointError as e:
+        raise ConversionError(str(e)) from e
+    with _staging(output, force) as staging:
+        quantization = convert_tensors(source, config, staging, parsed, progress)
+        text = text_config(config)
+        if quantization:
+            text["quantization"] = quantization
+        (staging / "config.json").write_text(json.dumps(text, indent=2))
+        for name in TOKENIZER_FILES:
+            if name != "config.json" and (source / name).exists():
+                shutil.copy(source / name, staging / name)
+    return output
+
