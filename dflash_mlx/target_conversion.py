@@ -5,7 +5,8 @@ The default pair's first use converts Qwopus3.5-9B-Coder (about 18 GB in bf16) t
 with 18 GB of memory. MLX loads safetensors lazily and the module tree is built without
 materializing a weight, so the whole conversion is one lazy graph per output tensor: each source
 tensor is read when its output is evaluated, quantized, kept until its shard is full, written, and
-freed. The peak stays near one shard plus the largest source tensor, whatever the model's size.
+freed; large tensors are read from the file a slice of rows at a time. The peak stays near one
+shard plus one slice, whatever the model's size (measured: README, "Converting the Qwopus pair").
 """
 
 from __future__ import annotations
@@ -48,9 +49,57 @@ def quantize_rows(weight: mx.array, group_size: int, bits: int, chunk_bytes: int
     for start in range(0, flat.shape[0], step):
         part = mx.quantize(flat[start : start + step], group_size, bits)
         mx.eval(part)
+        mx.clear_cache()  # this slice's float temporaries
         parts.append(part)
     out = [mx.concatenate([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(3)]
     return [o.reshape(*shape[:-1], o.shape[-1]) for o in out]
+
+
+DIRECT_READ_BYTES = 64 * 1024**2
+_RAW = {"BF16": ("uint16", mx.bfloat16), "F16": ("uint16", mx.float16), "F32": ("float32", mx.float32)}
+
+
+def row_readers(source: Path, module_path: Callable[[str], Optional[str]], min_bytes: int) -> Dict[str, Callable]:
+    """For every 2-D float tensor of at least ``min_bytes`` that sanitizing only renames: a reader of
+    its rows straight from the file (``rows(start, stop)``), so that quantizing it never holds the
+    whole tensor (MLX's lazy load reads a tensor whole when any slice of it is evaluated)."""
+    import numpy as np
+
+    readers = {}
+    for file in sorted(source.glob("*.safetensors")):
+        with open(file, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(length))
+        for name, entry in header.items():
+            if name == "__metadata__" or entry["dtype"] not in _RAW or len(entry["shape"]) != 2:
+                continue
+            begin, end = entry["data_offsets"]
+            key = module_path(name)
+            if key is None or end - begin < min_bytes:
+                continue
+            raw, dtype = _RAW[entry["dtype"]]
+            K = entry["shape"][1]
+
+            def rows(start, stop, file=file, offset=8 + length + begin, K=K, raw=raw, dtype=dtype):
+                count = (stop - start) * K
+                data = np.fromfile(file, dtype=raw, count=count, offset=offset + start * K * np.dtype(raw).itemsize)
+                return mx.array(data.reshape(stop - start, K)).view(dtype)
+
+            readers[key] = (tuple(entry["shape"]), dtype, rows)
+    return readers
+
+
+def quantize_from_file(reader, group_size: int, bits: int, chunk_bytes: int = CHUNK_BYTES):
+    """``quantize_rows`` of a tensor read from disk a slice at a time (see ``row_readers``)."""
+    (N, K), dtype, rows = reader
+    step = max(1, chunk_bytes // (K * dtype.size))
+    parts = []
+    for start in range(0, N, step):
+        part = mx.quantize(rows(start, min(N, start + step)), group_size, bits)
+        mx.eval(part)
+        mx.clear_cache()
+        parts.append(part)
+    return [mx.concatenate([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(3)]
 
 
 def _quantized_form(path: str, module: nn.Module, weight: mx.array, bits: int, group_size: int) -> Optional[dict]:
@@ -74,9 +123,12 @@ def _skeleton(config: Dict):
 
 def convert_tensors(source: Path, config: Dict, staging: Path, quant: Optional[tuple],
                     progress: Optional[Callable[[int, int, int], None]] = None,
-                    shard_bytes: int = SHARD_BYTES) -> Dict:
+                    shard_bytes: int = SHARD_BYTES, direct_read_bytes: int = DIRECT_READ_BYTES) -> Dict:
     """Write ``source``'s target weights to ``staging`` as MLX shards; returns the quantization
-    block for the config (or {}). ``progress(done, total, peak_bytes)`` after each tensor."""
+    block for the config (or {}). ``progress(done, total, peak_bytes)`` after each tensor; tensors
+    of ``direct_read_bytes`` or more that are quantized are read from disk a slice at a time."""
+    from .models.qwen3_5 import module_path
+
     model = _skeleton(config)
     modules = dict(model.named_modules())
     expected = {k for k, _ in tree_flatten(model.parameters())}
@@ -87,6 +139,7 @@ def convert_tensors(source: Path, config: Dict, staging: Path, quant: Optional[t
         raise loading.CheckpointError(f"{source}: weights do not match its config (missing {missing[:3]}, "
                                       f"unexpected {unknown[:3]})")
     bits, group_size = quant or (None, None)
+    direct = row_readers(source, module_path, direct_read_bytes) if quant else {}
     overrides: Dict[str, dict] = {}
     shard: Dict[str, mx.array] = {}
     shard_size, files, weight_map = 0, [], {}
@@ -100,6 +153,7 @@ def convert_tensors(source: Path, config: Dict, staging: Path, quant: Optional[t
         files.append(name)
         weight_map.update({k: name for k in shard})
         shard, shard_size = {}, 0
+        mx.clear_cache()
 
     names = sorted(weights)
     for i, key in enumerate(names):
@@ -109,12 +163,16 @@ def convert_tensors(source: Path, config: Dict, staging: Path, quant: Optional[t
         if form is None:
             out = {key: value}
         else:
-            w, scales, biases = quantize_rows(value, form["group_size"], form["bits"])
+            if key in direct and direct[key][0] == tuple(value.shape):
+                w, scales, biases = quantize_from_file(direct[key], form["group_size"], form["bits"])
+            else:
+                w, scales, biases = quantize_rows(value, form["group_size"], form["bits"])
             out = {key: w, f"{path}.scales": scales, f"{path}.biases": biases}
             if (form["bits"], form["group_size"]) != (bits, group_size):
                 overrides[path] = form
         mx.eval(out)
         del value
+        mx.clear_cache()  # the source tensor's buffer goes back to the system, not to MLX's cache
         shard.update(out)
         shard_size += sum(a.nbytes for a in out.values())
         if shard_size >= shard_bytes:

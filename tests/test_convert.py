@@ -254,3 +254,33 @@ def test_moe_target_conversion(tmp_path, layout):
     assert want.keys() == got.keys()
     for key in want:
         np.testing.assert_array_equal(np.array(got[key]), np.array(want[key]), err_msg=key)
+
+
+def test_tensors_read_from_disk_a_slice_at_a_time_quantize_the_same(hf_target_dir, tmp_path):
+    """The direct row reads that keep large tensors out of memory (forced here for every eligible
+    tensor, bf16 source) give the same bytes as quantizing the loaded tensors."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from dflash_mlx import loading, target_conversion
+    from dflash_mlx.models.qwen3_5 import module_path
+    from tests.conftest import make_hf_target
+
+    source = make_hf_target(tmp_path / "bf16", dtype="bfloat16")
+    config = loading.read_config(source)
+    folder = tmp_path / "out"
+    folder.mkdir()
+    quantization = target_conversion.convert_tensors(source, config, folder, (4, 32), direct_read_bytes=0,
+                                                     shard_bytes=64 * 1024)
+    assert len(list(folder.glob("*.safetensors"))) > 1  # several shards, one index
+    readers = target_conversion.row_readers(source, module_path, 0)
+    assert "lm_head.weight" in readers and "model.layers.0.mlp.gate_proj.weight" in readers
+    text = target_conversion.text_config(config)
+    (folder / "config.json").write_text(json.dumps({**text, "quantization": quantization}))
+    converted, _ = loading.load_target(folder)
+    reference, _ = loading.load_target(source)
+    nn.quantize(reference, group_size=32, bits=4)
+    want, got = dict(tree_flatten(reference.parameters())), dict(tree_flatten(converted.parameters()))
+    assert want.keys() == got.keys()
+    for key in want:
+        np.testing.assert_array_equal(np.array(got[key].astype(mx.float32)), np.array(want[key].astype(mx.float32)), err_msg=key)
