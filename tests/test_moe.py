@@ -240,6 +240,10 @@ def test_a_nested_schema_draft_for_a_moe_target_converts_and_is_lossless(tmp_pat
     assert done.returncode == 0, done.stderr
     model, _ = api.load(str(target_dir), draft=str(tmp_path / "out"))
     assert isinstance(model.target, qwen3_5_moe.Model) and model.draft.target_layer_ids == list(range(8))
+    cli = subprocess.run([sys.executable, "-m", "dflash_mlx.cli", "generate", "-m", str(target_dir), "-d", str(tmp_path / "out"),
+                          "-p", "w1 w2 w3", "--max-tokens", "12", "--no-chat-template", "--json"], capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stdout)["generation_tokens"] == 12
     for prompt in random_prompts(4, VOCAB, seed=9):
         expected, _ = take(target_only(model.target, prompt, GREEDY), 20)
         for block in (4, 8):
