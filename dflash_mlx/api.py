@@ -156,12 +156,12 @@ def load(
     if matmuls == "auto":
         matmuls = quantized.QuantizedMatmuls.for_this_process()
     if matmuls is not None:
-        with tuning_progress() as progress:
+        with TuningProgress() as progress:
             model.use_quantized_matmuls(matmuls, progress=progress)
     return model, tokenizer
 
 
-class tuning_progress:
+class TuningProgress:
     """A progress bar on stderr while the first load on a GPU times the pair's matmul shapes."""
 
     def __enter__(self):

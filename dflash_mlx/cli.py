@@ -479,8 +479,8 @@ def convert_target(
     force: bool = typer.Option(False, "--force", help="Replace the output folder if it exists."),
 ) -> None:
     """Convert a Hugging Face Qwen3.5 target (dense or mixture of experts) to a text-only MLX
-    checkpoint (vision tower and MTP dropped), streamed tensor by tensor: memory stays near one
-    512 MB shard plus the largest source tensor; the progress line shows the peak."""
+    checkpoint (vision tower and MTP dropped), streamed tensor by tensor (large ones 64 MB of rows
+    at a time): memory stays near one 512 MB shard; the progress line shows the peak."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -192,7 +192,7 @@ def _tune(report: Report, model: str, draft: Optional[str], draft_quant: Optiona
                    "runs here; the verify kernel is Metal's)")
         return
     loaded, _ = api.load(model, draft=draft, draft_quant=draft_quant, matmuls=None)
-    with api.tuning_progress() as progress:
+    with api.TuningProgress() as progress:
         report.tuning = loaded.use_quantized_matmuls(matmuls, cache, everything=True, measure=measure, progress=progress)
     if not report.tuning:
         report.add("quantized matmuls", INFO, "nothing to tune: the pair has no quantized layer the kernel has a form "
@@ -200,7 +200,7 @@ def _tune(report: Report, model: str, draft: Optional[str], draft_quant: Optiona
         return
     ours = sum(t.choice == quantized.OURS for t in report.tuning)
     failed = [t for t in report.tuning if t.kernel_s is None]
-    where = (cache.path if cache is not None else quantized.TuningCache.for_this_device().path)
+    where = cache.path if cache is not None else quantized.TuningCache.for_this_device().path
     report.add("quantized matmuls", FAIL if failed else OK,
                f"the verify kernel is faster for {ours} of {len(report.tuning)} shapes; stock runs the others "
                f"(saved in {where})" + (f"; the kernel failed its self-check for {len(failed)}" if failed else ""),

@@ -35,17 +35,23 @@ class Sampler:
         return self.temperature == 0
 
     def probs(self, logits: mx.array) -> mx.array:
-        """The filtered distribution (float32, rows sum to 1) for sampled decoding."""
+        """The filtered distribution (float32, rows sum to 1) for sampled decoding.
+
+        Top-k takes the k largest by partition, not a sort of the vocabulary (248k entries on
+        Qwen3.5, on every target and draft row of every cycle); with top-k set, top-p sorts only
+        those k (every token above a kept one is among them, so the mass above it is the same)."""
         probs = mx.softmax(logits.astype(mx.float32) / self.temperature, axis=-1)
         vocab = probs.shape[-1]
         keep = None
+        candidates = probs  # the values top-p has to look at
         if 0 < self.top_k < vocab:
-            kth = mx.sort(probs, axis=-1)[..., vocab - self.top_k, None]
-            keep = probs >= kth
+            candidates = mx.topk(probs, self.top_k, axis=-1)
+            keep = probs >= candidates.min(axis=-1, keepdims=True)
         if self.top_p < 1.0:
-            ordered = mx.sort(probs, axis=-1)  # ascending
+            ordered = mx.sort(candidates, axis=-1)  # ascending
             # A token stays if the mass strictly above it is below top_p.
-            above = 1.0 - mx.cumsum(ordered, axis=-1)
+            total = 1.0 if candidates is probs else ordered.sum(axis=-1, keepdims=True)
+            above = total - mx.cumsum(ordered, axis=-1)
             threshold = mx.min(mx.where(above < self.top_p, ordered, mx.inf), axis=-1, keepdims=True)
             nucleus = probs >= threshold
             keep = nucleus if keep is None else keep & nucleus

@@ -29,7 +29,6 @@ def evenly_spaced_layer_ids(num_target_layers: int, num_draft_layers: int) -> Li
 # (z-lab's torch reference would read a one-token sliding window as "each slot sees itself", so we
 # record it under a name that other loaders refuse instead of one they would misread).
 LAYER_TYPES = ("full_attention", "sliding_attention", "block_attention")
-OURS_ONLY_LAYER_TYPES = ("block_attention",)
 
 
 @dataclass
