@@ -231,7 +231,9 @@ SMALL_VOCAB = 128  # the emulator runs 8 GPU threads per output column: keep the
 
 @pytest.fixture(scope="module")
 def bf16_target_dir(tmp_path_factory):
-    return make_hf_target(tmp_path_factory.mktemp("mac_q_target"), vocab_size=SMALL_VOCAB, dtype="bfloat16", seed=3)
+    """Two layers, one of each kind: every quantized matmul shape of the real targets' layers."""
+    return make_hf_target(tmp_path_factory.mktemp("mac_q_target"), vocab_size=SMALL_VOCAB, dtype="bfloat16", seed=3,
+                          num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +248,7 @@ def test_quantized_pairs_are_lossless_through_the_verify_kernel(bf16_target_dir,
     through the kernel (each specialization self-checked, none fell back)."""
     target, draft, metal = quantized_mac_pair(bf16_target_dir, tmp_path, bits)
     check_greedy_lossless(target, draft, small_prompts[:1], [2, 4, 8], n=16)
-    assert check_every_acceptance_length(target, small_prompts[1:]) == set(range(4))
+    assert check_every_acceptance_length(target, small_prompts[1:2]) == set(range(4))
     report = {k: v for k, v in metal.report().items() if k.startswith("quantized_verify")}
     rows = {int(k.split("Rows=")[1].split()[0]) for k in report}
     assert {1, 2, 4, 8} <= rows and set(report.values()) == {"ok"}, report
