@@ -303,8 +303,13 @@ def train_draft(
         content_match_init(draft, target)
     if draft.block_size != config.block_size:
         config.block_size = draft.block_size
-    rng = np.random.default_rng(config.seed + state["step"])
-    mx.random.seed(config.seed + state["step"])
+    # The windows and anchors come from this generator alone: a resume restores its state, so that
+    # the run continues with the batches an uninterrupted one would have drawn.
+    rng = np.random.default_rng(config.seed)
+    if "rng" in state:
+        rng.bit_generator.state = state["rng"]
+    elif state["step"]:  # saved before the generator's state was kept
+        rng = np.random.default_rng(config.seed + state["step"])
     schedule = optim.join_schedules(
         [optim.linear_schedule(1e-7, config.learning_rate, max(config.warmup, 1)),
          optim.cosine_decay(config.learning_rate, max(config.steps - config.warmup, 1), config.learning_rate * 0.1)],
@@ -339,6 +344,7 @@ def train_draft(
             on_step(state["step"], float(loss))
         if state["step"] % config.save_every == 0 or state["step"] == config.steps:
             state["losses"] = losses
+            state["rng"] = rng.bit_generator.state
             save_draft(draft, draft_config, out)
             state_file.parent.mkdir(exist_ok=True)
             mx.save_safetensors(str(optimizer_file), dict(tree_flatten(optimizer.state)))

@@ -129,6 +129,10 @@ def test_seeded_sampling_is_reproducible(pair):
     a = generate(model, tokenizer, "def", max_tokens=20, temp=0.9, top_p=0.95, seed=3)
     b = generate(model, tokenizer, "def", max_tokens=20, sampler=Sampler(0.9, top_p=0.95), seed=3)
     assert a == b
+    # ...and it does sample: other seeds give other texts, not the greedy one every time.
+    others = {generate(model, tokenizer, "def", max_tokens=20, temp=0.9, top_p=0.95, seed=s) for s in (4, 5, 6)}
+    greedy = generate(model, tokenizer, "def", max_tokens=20)
+    assert len(others | {a}) > 1 and others != {greedy}
 
 
 def test_bad_arguments(pair):

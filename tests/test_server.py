@@ -143,6 +143,8 @@ def test_stop_and_seed(client):
     a = chat(client, "def", temperature=0.9, top_p=0.95, seed=7, max_tokens=20).choices[0].message.content
     b = chat(client, "def", temperature=0.9, top_p=0.95, seed=7, max_tokens=20).choices[0].message.content
     assert a == b
+    others = {chat(client, "def", temperature=0.9, top_p=0.95, seed=s, max_tokens=20).choices[0].message.content for s in (8, 9)}
+    assert len(others | {a}) > 1  # the seed reaches the sampler: not greedy, not one fixed draw
 
 
 def test_eight_concurrent_clients(client):
