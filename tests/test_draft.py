@@ -116,6 +116,24 @@ def test_context_window_keeps_only_recent_tokens(target, draft):
     assert_lossless(target, PROMPT, expected, got)
 
 
+def test_a_window_evicts_old_context_when_the_buffer_fills(target, draft):
+    """Past the buffer's capacity (256 rows) a windowed cache drops what the window no longer
+    shows, and the draft then reads exactly what a cache given only the recent tokens reads."""
+    tokens = mx.array(np.random.default_rng(4).integers(0, 500, (1, 300)).astype(np.int32))
+    _, features = target.forward(tokens, taps=draft.target_layer_ids)
+    windowed = draft.make_cache(window=5)
+    for start in range(0, 300, 50):  # chunks, as prefill and cycles append them
+        draft.add_context(features[:, start : start + 50], windowed)
+    assert windowed[0].start > 0  # the eviction branch ran
+    assert windowed[0].offset == 300
+    recent = draft.make_cache()
+    for c in recent:
+        c.offset = c.start = 300 - 5
+    draft.add_context(features[:, -5:], recent)
+    block = mx.array([[7] + [draft.mask_token_id] * 3])
+    np.testing.assert_allclose(np.array(draft(block, windowed)), np.array(draft(block, recent)), atol=1e-5)
+
+
 def test_default_taps_follow_the_evenly_spaced_rule(tmp_path, target, target_config):
     assert evenly_spaced_layer_ids(32, 1) == [16]
     assert evenly_spaced_layer_ids(32, 5) == [1, 8, 15, 22, 29]
