@@ -450,7 +450,8 @@ def convert(
 ) -> None:
     """Fetch a z-lab draft, check it against a target's tokenizer, write a ready MLX draft.
 
-    Honours HF_HOME, HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE; interrupted downloads resume.
+    Honours HF_HOME, HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE; a dropped connection resumes
+    from the bytes already received (a new run starts an unfinished file over).
     """
     from .convert import convert_draft
     from .loading import CheckpointError

@@ -21,7 +21,7 @@ class CheckpointError(ValueError):
 
 def fetch(repo_or_path: str | Path, patterns: List[str], revision: Optional[str] = None) -> Tuple[Path, str]:
     """A local folder as it is, or the listed files of a Hugging Face repo (fetched into the HF
-    cache; HF_HOME, HF_TOKEN, HF_ENDPOINT, HF_HUB_OFFLINE and resumed downloads are
+    cache; HF_HOME, HF_TOKEN, HF_ENDPOINT, HF_HUB_OFFLINE and resuming a dropped connection are
     huggingface_hub's own). Returns the folder and the revision it holds."""
     path = Path(repo_or_path).expanduser()
     if path.exists():

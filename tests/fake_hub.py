@@ -20,7 +20,9 @@ class FakeHub:
     def __init__(self):
         self.repos: Dict[str, Path] = {}
         self.break_after: Dict[tuple, int] = {}  # (repo, file) -> bytes sent before the connection drops
+        self.break_once: Dict[tuple, int] = {}  # the same, for the first transfer of the file only
         self.requests: list = []
+        self.ranges: list = []  # (path, Range header) of every request that carried one
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
@@ -122,6 +124,8 @@ class FakeHub:
                     headers["X-Linked-Size"] = str(len(data))
                 start = 0
                 ranged = self.headers.get("Range")
+                if ranged:
+                    hub.ranges.append((path, ranged))
                 if ranged and ranged.startswith("bytes="):
                     start = int(ranged[6:].split("-")[0] or 0)
                 body = data[start:]
@@ -129,6 +133,8 @@ class FakeHub:
                 if start:
                     headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
                 limit = hub.break_after.get((repo_id, filename))
+                if limit is None and not head:
+                    limit = hub.break_once.pop((repo_id, filename), None)
                 if head or limit is None:
                     return self._send(status, body, headers, head)
                 # Announce the whole body, send part of it, drop the connection.

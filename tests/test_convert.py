@@ -63,6 +63,8 @@ def world(tmp_path_factory):
         "other-size": tiny.draft_config(tiny.target_config(EMBEDDING_ROWS, hidden_size=32, head_dim=16), mask_token_id=248077),
         "bad-taps": tiny.draft_config(target_config, mask_token_id=248077, target_layer_ids=[1, 7]),
         "bad-mask": tiny.draft_config(target_config, mask_token_id=EMBEDDING_ROWS + 5),
+        # over huggingface_hub's 10 MB download chunk, so that a dropped transfer has bytes to resume from
+        "big": {**tiny.draft_config(target_config, mask_token_id=248077, block_size=8), "intermediate_size": 8192},
     }
     for name, config in drafts.items():
         tiny.write_draft(root / name, config, seed=2, dtype=np.float32)
@@ -82,7 +84,7 @@ def hub(world):
         hub.add("Qwen/Qwen3.5-9B", root / "base")
         hub.add("Jackrong/Qwopus3.5-9B-Coder", root / "qwopus")
         hub.add("z-lab/Qwen3.5-9B-DFlash", root / "nested")
-        for name in ("legacy", "other-size", "bad-taps", "bad-mask", "corrupt"):
+        for name in ("legacy", "other-size", "bad-taps", "bad-mask", "corrupt", "big"):
             hub.add(f"z-lab/{name}", root / name)
         yield hub
 
@@ -151,6 +153,11 @@ def test_offline_and_resumed_downloads(hub, tmp_path):
     assert not (tmp_path / "a").exists() and not list(tmp_path.glob(".a.*"))
     hub.break_after.clear()
     assert run_cli(hub, tmp_path, "--out", str(tmp_path / "a")).returncode == 0
+    # A connection dropped mid-file once: huggingface_hub asks for the rest (a Range request from
+    # the bytes it has written, whole 10 MB chunks) and the run succeeds.
+    hub.break_once[("z-lab/big", "model.safetensors")] = 11_000_000
+    assert run_cli(hub, tmp_path, "--draft", "z-lab/big", "--out", str(tmp_path / "big")).returncode == 0
+    assert [r for p, r in hub.ranges if p.startswith("/z-lab/big/")] == [f"bytes={10 * 1024 * 1024}-"], hub.ranges
     # Everything is cached now: offline works, and a later run needs no network.
     offline = run_cli(hub, tmp_path, "--out", str(tmp_path / "b"), offline=True)
     assert offline.returncode == 0, offline.stderr
