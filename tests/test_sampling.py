@@ -73,6 +73,18 @@ def test_speculative_samples_follow_the_target_distribution(small_pair, sampler)
     assert pvalue > 1e-3, f"speculative samples do not follow the target (chi-square p={pvalue:.2g})"
 
 
+def test_bfloat16_sampling_follows_the_target(tmp_path_factory):
+    """A bfloat16 pair (what Macs run): the filtered distribution still holds through sampling,
+    acceptance and residuals computed from 16-bit logits."""
+    path = make_hf_target(tmp_path_factory.mktemp("small_bf16"), vocab_size=V, seed=11, dtype="bfloat16")
+    target, config = load_target(path)
+    draft = make_draft(tmp_path_factory.mktemp("small_bf16_draft"), target, config, block_size=4, seed=12)
+    draft.set_dtype(mx.bfloat16)
+    sampler = SAMPLERS[1]
+    pvalue = goodness_of_fit(sampled_joint(target, draft, sampler, seed=4), exact_joint(target, sampler))
+    assert pvalue > 1e-3, f"bfloat16 speculative samples do not follow the target (chi-square p={pvalue:.2g})"
+
+
 def test_sampling_with_block_sizes_that_change_every_cycle(small_pair):
     """The block changes between the cycles that make tokens 2 and 3 (through 1, with shadows),
     and under the real controller; the joint distribution is still the target's."""
@@ -106,6 +118,40 @@ def test_negative_control_biased_rule_is_detected(small_pair, monkeypatch):
     monkeypatch.setattr(loop, "accept", biased_accept)
     pvalue = goodness_of_fit(sampled_joint(target, draft, sampler, seed=0), exact_joint(target, sampler))
     assert pvalue < 1e-4, f"the test cannot tell a biased acceptance rule apart (p={pvalue:.2g})"
+
+
+def wrong_bonus_accept(target_logits, drafted, draft_probs, sampler):
+    """Another bug: when every draft is accepted, draw the bonus from the last draft's row."""
+    n = drafted.shape[0]
+    p = sampler.probs(target_logits)
+    accepted, token = sampling.accept(target_logits, drafted, draft_probs, sampler)
+    bonus = sampling.categorical(p[n - 1 : n])[0]
+    return accepted, mx.where(accepted == n, bonus, token)
+
+
+def test_the_all_accepted_bonus_draw_follows_the_target(small_pair, monkeypatch):
+    """Block 2: token 3 is the bonus draw whenever token 2 (the one draft) is accepted, so the
+    joint covers that path too; drawing the bonus from the wrong row is caught."""
+    target, draft = small_pair
+    sampler = SAMPLERS[1]
+    accepted = []
+    real_accept = loop.accept
+
+    def counting(*args):
+        n, token = real_accept(*args)
+        accepted.append(n)
+        return n, token
+
+    monkeypatch.setattr(loop, "accept", counting)
+    pvalue = goodness_of_fit(sampled_joint(target, draft, sampler, seed=3, blocks=lambda: 2), exact_joint(target, sampler))
+    assert pvalue > 1e-3, f"speculative samples with the bonus draw do not follow the target (p={pvalue:.2g})"
+    assert sum(int(n.item()) for n in accepted) > 0.2 * SAMPLES, "the bonus path was rarely taken: the test would not see it"
+    monkeypatch.setattr(loop, "accept", wrong_bonus_accept)
+    try:  # caught either way: a token the filters exclude at that position, or the wrong distribution
+        pvalue = goodness_of_fit(sampled_joint(target, draft, sampler, seed=3, blocks=lambda: 2), exact_joint(target, sampler))
+    except AssertionError:
+        pvalue = 0.0
+    assert pvalue < 1e-4, f"a bonus drawn from the wrong row is not caught (p={pvalue:.2g})"
 
 
 def test_target_only_sampling_follows_its_distribution(small_pair):
