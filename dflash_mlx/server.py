@@ -11,6 +11,7 @@ that disconnects cancels its generation at the next committed step.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import threading
 import time
@@ -19,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -120,10 +121,17 @@ class Metrics:
     queued: int = 0
     last_tps: float = 0.0
     started: float = field(default_factory=time.time)
+    # The event loop and the worker thread both count: every update holds this lock.
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def count(self, name: str, delta: int = 1) -> None:
+        with self.lock:
+            setattr(self, name, getattr(self, name) + delta)
 
     def add(self, last: GenerationResponse) -> None:
-        self.totals.add(last)
-        self.last_tps = last.generation_tps
+        with self.lock:
+            self.totals.add(last)
+            self.last_tps = last.generation_tps
 
     def prometheus(self, model: str) -> str:
         t = self.totals
@@ -172,7 +180,7 @@ class Engine:
 
     def submit(self, prompt, options: Dict[str, Any]) -> Job:
         job = Job(prompt, options, asyncio.Queue(), asyncio.get_running_loop())
-        self.metrics.queued += 1
+        self.metrics.count("queued")
         self.worker.submit(self._run, job)
         return job
 
@@ -185,20 +193,69 @@ class Engine:
             for last in stream:
                 if job.cancelled.is_set():
                     stream.close()
-                    self.metrics.cancelled += 1
+                    self.metrics.count("cancelled")
                     break
                 job.emit("token", last)
             if last is not None:
                 self.metrics.add(last)
         except Exception as e:  # reported to the client as a 500 in OpenAI's shape
-            self.metrics.errors += 1
+            self.metrics.count("errors")
             job.emit("error", f"{type(e).__name__}: {e}")
         finally:
-            self.metrics.queued -= 1
+            self.metrics.count("queued", -1)
             job.emit("done", last)
 
 
 # ---- the app ------------------------------------------------------------------------------------
+
+
+class BodyLimit:
+    """Refuses request bodies over ``limit`` bytes with 413, whether the client announces the size
+    (Content-Length) or streams it chunked: the body is counted as it arrives."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    def _refusal(self):
+        return JSONResponse(error_body(f"request body larger than {self.limit} bytes", "invalid_request_error",
+                                       code="request_too_large"), status_code=413)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            return await self._refusal()(scope, receive, send)
+        received = 0
+        started = False
+
+        async def counted_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise BodyTooLarge(self.limit)
+            return message
+
+        async def tracked_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, tracked_send)
+        except BodyTooLarge:  # read outside FastAPI's body parsing, which answers it itself
+            if not started:
+                await self._refusal()(scope, receive, send)
+
+
+class BodyTooLarge(HTTPException):
+    """A streamed body went over the limit. Raised from inside the body read: FastAPI passes an
+    HTTPException from there through to the handlers, which answer 413 like the announced case."""
+
+    def __init__(self, limit: int):
+        super().__init__(status_code=413, detail=f"request body larger than {limit} bytes")
 
 
 def create_app(
@@ -217,12 +274,12 @@ def create_app(
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
-        engine.metrics.errors += 1
+        engine.metrics.count("errors")
         return JSONResponse(error_body(e.message, e.kind, e.param, e.code), status_code=e.status)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_, e: RequestValidationError):
-        engine.metrics.errors += 1
+        engine.metrics.count("errors")
         first = e.errors()[0] if e.errors() else {}
         if first.get("type") == "json_invalid":
             message = f"malformed JSON body: {(first.get('ctx') or {}).get('error', 'cannot parse')}"
@@ -233,28 +290,22 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_, e: StarletteHTTPException):
-        return JSONResponse(error_body(str(e.detail), "invalid_request_error"), status_code=e.status_code)
+        code = "request_too_large" if isinstance(e, BodyTooLarge) else None
+        return JSONResponse(error_body(str(e.detail), "invalid_request_error", code=code), status_code=e.status_code)
 
     @app.exception_handler(Exception)
     async def _crash(_, e: Exception):
-        engine.metrics.errors += 1
+        engine.metrics.count("errors")
         return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"), status_code=500)
 
-    @app.middleware("http")
-    async def _limit_size(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > max_request_bytes):
-            return JSONResponse(
-                error_body(f"request body larger than {max_request_bytes} bytes", "invalid_request_error", code="request_too_large"),
-                status_code=413,
-            )
-        return await call_next(request)
+    app.add_middleware(BodyLimit, limit=max_request_bytes)
+    expected_authorization = f"Bearer {api_key}".encode() if api_key is not None else None
 
     async def authorize(request: Request) -> None:
-        if api_key is None:
+        if expected_authorization is None:
             return
-        header = request.headers.get("authorization", "")
-        if header != f"Bearer {api_key}":
+        header = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(header, expected_authorization):  # constant time: no timing oracle
             raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)", "authentication_error", code="invalid_api_key")
 
     def check_model(name: str) -> None:

@@ -201,6 +201,15 @@ def test_bad_requests_get_openai_errors(server, client):
         r = httpx.post(url, headers={**auth, "content-type": "application/json"}, **kwargs)
         assert r.status_code == status, (kwargs, r.text)
         assert message in r.json()["error"]["message"]
+    # A chunked body (no Content-Length) is counted as it streams in.
+    def chunks():
+        yield b'{"model": "tiny", "messages": [{"role": "user", "content": "'
+        for _ in range(30):
+            yield b"x" * 10000
+        yield b'"}]}'
+
+    r = httpx.post(url, headers={**auth, "content-type": "application/json"}, content=chunks())
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         r = httpx.post(url, headers=headers, json=good)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
