@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import warnings
@@ -20,6 +21,10 @@ app = typer.Typer(
 
 
 def _fail(message: str) -> None:
+    """One clear line and exit 1; with ``DFLASH_MLX_DEBUG=1``, the exception being handled (if
+    any) is re-raised instead, traceback and all, for bug reports."""
+    if os.environ.get("DFLASH_MLX_DEBUG") == "1" and sys.exc_info()[1] is not None:
+        raise
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code=1)
 

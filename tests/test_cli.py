@@ -205,6 +205,15 @@ def test_error_paths_are_one_clear_line(pair, tmp_path, command):
         assert done.returncode == 1 and len(lines) == 1 and message in lines[0], done.stderr
 
 
+def test_debug_mode_re_raises_with_the_traceback(tmp_path):
+    """DFLASH_MLX_DEBUG=1: the same bad input shows the exception and its traceback, for reports."""
+    args = ("generate", "-m", str(tmp_path / "missing"), "-p", "x")
+    plain = cli(*args)
+    assert plain.returncode == 1 and "Traceback" not in plain.stderr
+    debug = cli(*args, env={"DFLASH_MLX_DEBUG": "1"})
+    assert debug.returncode == 1 and "Traceback" in debug.stderr and "CheckpointError" in debug.stderr, debug.stderr
+
+
 def test_default_model_offline_says_what_is_missing(tmp_path):
     done = cli("generate", "-p", "hi", env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "DFLASH_MLX_HOME": str(tmp_path / "home")})
     assert done.returncode == 1 and "Traceback" not in done.stderr
