@@ -313,7 +313,7 @@ def serve(
     port: Annotated[int, typer.Option("--port", help="TCP port.")] = 8080,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="DFLASH_MLX_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 endpoints.")] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Cap on tokens generated per request.")] = 4096,
-    context_size: Annotated[Optional[int], typer.Option("--context-size", help="Reject prompts longer than this many tokens.")] = None,
+    context_size: Annotated[Optional[int], typer.Option("--context-size", help="Context limit in tokens, prompt and answer together: longer prompts are refused (400), answers stop where the context is full. Default: the target's max_position_embeddings.")] = None,
     model_name: Annotated[Optional[str], typer.Option("--model-name", help="Model id clients ask for (default: the target folder's name).")] = None,
     max_request_bytes: Annotated[int, typer.Option("--max-request-bytes", help="Reject request bodies larger than this.")] = 8 << 20,
 ) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import threading
 import time
 import uuid
@@ -34,6 +35,20 @@ from .api import (
     stream_generate,
 )
 from .prompt_cache import PromptCache
+
+
+LOG = logging.getLogger("dflash_mlx.server")
+
+
+def model_context_length(model: DFlashModel) -> Optional[int]:
+    """The target's trained context (``max_position_embeddings`` of its config), if it says."""
+    from .loading import read_config
+
+    if model.target_path is None:
+        return None
+    config = read_config(model.target_path)
+    value = (config.get("text_config") or config).get("max_position_embeddings", config.get("max_position_embeddings"))
+    return int(value) if value else None
 
 
 class APIError(Exception):
@@ -198,7 +213,8 @@ class Engine:
                 job.emit("token", last)
             if last is not None:
                 self.metrics.add(last)
-        except Exception as e:  # reported to the client as a 500 in OpenAI's shape
+        except Exception as e:  # reported to the client as a 500 in OpenAI's shape, logged in full here
+            LOG.exception("generation failed")
             self.metrics.count("errors")
             job.emit("error", f"{type(e).__name__}: {e}")
         finally:
@@ -312,15 +328,22 @@ def create_app(
         if name != model_name:
             raise APIError(404, f"model {name!r} not found; this server serves {model_name!r}", param="model", code="model_not_found")
 
+    limit = context_limit if context_limit is not None else model_context_length(model)
+
     def options(req: SamplingRequest, max_tokens: Optional[int], prompt_ids) -> Dict[str, Any]:
-        if context_limit is not None and len(prompt_ids) > context_limit:
+        """The generation's options; the context limit counts the prompt and the tokens it may
+        generate (an answer stops with ``length`` where the context is full)."""
+        if limit is not None and len(prompt_ids) >= limit:
             raise APIError(
-                400, f"prompt has {len(prompt_ids)} tokens, more than the context limit of {context_limit}",
+                400, f"prompt has {len(prompt_ids)} tokens; the context limit is {limit} (prompt and answer together)",
                 param="messages", code="context_length_exceeded",
             )
+        budget = min(max_tokens or max_tokens_cap, max_tokens_cap)
+        if limit is not None:
+            budget = min(budget, limit - len(prompt_ids))
         stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
         return dict(
-            max_tokens=min(max_tokens or max_tokens_cap, max_tokens_cap), temp=req.temperature, top_p=req.top_p,
+            max_tokens=budget, temp=req.temperature, top_p=req.top_p,
             top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=stop, block_tokens=block_tokens,
         )
 
@@ -342,8 +365,9 @@ def create_app(
         _unsupported(req)
         messages = [_message_dict(m) for m in req.messages]
         tools = req.tools if req.tools and req.tool_choice != "none" else None
-        try:
-            prompt_ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+        try:  # off the event loop: a long conversation takes a while to render and tokenize
+            prompt_ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages, tools=tools,
+                                                 add_generation_prompt=True, tokenize=True)
         except Exception as e:
             raise APIError(400, f"cannot apply the chat template to these messages: {e}", param="messages") from e
         opts = options(req, req.max_completion_tokens or req.max_tokens, prompt_ids)
@@ -367,7 +391,7 @@ def create_app(
             if not isinstance(prompt, str):
                 raise APIError(400, "suffix needs a text prompt", param="suffix")
             prompt = _fill_in_the_middle(tokenizer, prompt, req.suffix)
-        prompt_ids = encode_prompt(tokenizer, prompt).tolist() if isinstance(prompt, str) else list(prompt)
+        prompt_ids = (await asyncio.to_thread(encode_prompt, tokenizer, prompt)).tolist() if isinstance(prompt, str) else list(prompt)
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", param="prompt")
         if max(prompt_ids) >= model.target.args.vocab_size or min(prompt_ids) < 0:

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -81,6 +82,18 @@ def chat(client, content, **kwargs):
 def test_models_and_health(client, server):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     assert httpx.get(f"{server}/health").json()["status"] == "ok"
+
+
+def test_the_context_limit_counts_the_answer(client, pair, local):
+    """--context-size 600: a 590-token prompt leaves room for 10 tokens, whatever max_tokens asks;
+    without --context-size the limit is the target's max_position_embeddings."""
+    prompt = [int(t) for t in np.random.default_rng(0).integers(3, 400, 590)]
+    reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=500, temperature=0)
+    assert reply.usage.completion_tokens <= 10 and reply.choices[0].finish_reason == "length"
+    from dflash_mlx.server import model_context_length
+
+    target, _ = pair
+    assert model_context_length(local[0]) == json.loads((target / "config.json").read_text())["max_position_embeddings"]
 
 
 def test_greedy_chat_equals_dflash_generate(client, local):
