@@ -376,7 +376,7 @@ def create_app(
         reply = _Reply("chat.completion", model_name, tokenizer if tools else None, tools)
         if req.stream:
             return StreamingResponse(reply.stream(job, include_usage), media_type="text/event-stream")
-        return JSONResponse(await reply.whole(job))
+        return JSONResponse(await reply.whole(job, request))
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(req: CompletionRequest, request: Request):
@@ -402,9 +402,17 @@ def create_app(
         if req.stream:
             include_usage = bool((req.stream_options or {}).get("include_usage"))
             return StreamingResponse(reply.stream(job, include_usage), media_type="text/event-stream")
-        return JSONResponse(await reply.whole(job))
+        return JSONResponse(await reply.whole(job, request))
 
     return app
+
+
+async def _cancel_on_disconnect(request: Request, job: Job, every: float = 0.1) -> None:
+    while not job.cancelled.is_set():
+        if await request.is_disconnected():
+            job.cancelled.set()
+            return
+        await asyncio.sleep(every)
 
 
 def _message_dict(m: Message) -> Dict[str, Any]:
@@ -474,11 +482,18 @@ class _Reply:
         finally:
             job.cancelled.set()  # the client went away (or we are done): free the model
 
-    async def whole(self, job: Job) -> Dict[str, Any]:
+    async def whole(self, job: Job, request: Optional[Request] = None) -> Dict[str, Any]:
+        """The whole answer. Nothing is sent before it is done, so a disconnect is only seen by
+        watching for it: a client that gives up frees the model at the next step."""
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, job)) if request is not None else None
         text, last = "", None
-        async for kind, r in self._events(job):
-            if kind == "token":
-                text, last = text + r.text, r
+        try:
+            async for kind, r in self._events(job):
+                if kind == "token":
+                    text, last = text + r.text, r
+        finally:
+            if watcher is not None:
+                watcher.cancel()
         finish = last.finish_reason if last else "stop"
         if self.kind == "text_completion":
             choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}

@@ -96,6 +96,25 @@ def test_the_context_limit_counts_the_answer(client, pair, local):
     assert model_context_length(local[0]) == json.loads((target / "config.json").read_text())["max_position_embeddings"]
 
 
+def cancelled_total(server) -> float:
+    metrics = httpx.get(f"{server}/metrics").text
+    return float(next(line.split()[-1] for line in metrics.splitlines() if line.startswith("dflash_requests_cancelled_total")))
+
+
+def test_a_dropped_non_streaming_request_frees_the_model(server):
+    """The client gives up on a long non-streaming answer: the server sees the disconnect and
+    stops the generation within a second, instead of running it to max_tokens."""
+    before = cancelled_total(server)
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 590, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5)
+    deadline = time.time() + 1.5
+    while cancelled_total(server) == before and time.time() < deadline:
+        time.sleep(0.05)
+    assert cancelled_total(server) == before + 1, "the dropped request's generation is still running"
+    assert httpx.get(f"{server}/health").json()["queue_depth"] == 0
+
+
 def test_greedy_chat_equals_dflash_generate(client, local):
     model, tokenizer = local
     reply = chat(client, "def fibonacci(n):", max_tokens=24)
