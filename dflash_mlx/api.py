@@ -10,6 +10,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationResponse as MlxLmResponse
+from mlx_lm.generate import wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
@@ -349,57 +350,62 @@ def stream_generate(
     n = cycles = accepted = drafted = 0
     histogram: Dict[int, int] = {}
     pending: List[int] = []  # the last committed token: the next step feeds it
-    for commit in steps:
-        if prompt_cache is not None:
-            prompt_cache.extend(pending + commit.tokens[:-1] if n else ids[reused:].tolist() + commit.tokens[:-1])
-            pending = commit.tokens[-1:]
+    # As mlx-lm does: the weights wired in memory while generating (Metal; a no-op elsewhere),
+    # and MLX's buffer cache handed back every 256 tokens.
+    with wired_limit(model.target):
+        for commit in steps:
+            if prompt_cache is not None:
+                prompt_cache.extend(pending + commit.tokens[:-1] if n else ids[reused:].tolist() + commit.tokens[:-1])
+                pending = commit.tokens[-1:]
+                if n == 0:
+                    prompt_cache.checkpoint_here()
             if n == 0:
-                prompt_cache.checkpoint_here()
-        if n == 0:
-            prompt_tps = feed.size / (time.perf_counter() - tic)
-            tic = time.perf_counter()
-        else:
-            cycles += 1
-            histogram = {**histogram, commit.drafted + 1: histogram.get(commit.drafted + 1, 0) + 1}
-        accepted += commit.accepted
-        drafted += commit.drafted
-        for i, token in enumerate(commit.tokens):
-            n += 1
-            finish = None
-            if token in eos:
-                detokenizer.finalize()
-                text, finish = stop_text.push(detokenizer.last_segment)[0] + stop_text.flush(), "stop"
+                prompt_tps = feed.size / (time.perf_counter() - tic)
+                tic = time.perf_counter()
             else:
-                detokenizer.add_token(token)
-                text, stopped = stop_text.push(detokenizer.last_segment)
-                if stopped:
-                    finish = "stop"
-                elif n >= max_tokens:
+                cycles += 1
+                histogram = {**histogram, commit.drafted + 1: histogram.get(commit.drafted + 1, 0) + 1}
+            accepted += commit.accepted
+            drafted += commit.drafted
+            for i, token in enumerate(commit.tokens):
+                n += 1
+                finish = None
+                if token in eos:
                     detokenizer.finalize()
-                    text += stop_text.push(detokenizer.last_segment)[0] + stop_text.flush()
-                    finish = "length"
-            elapsed = time.perf_counter() - tic
-            yield GenerationResponse(
-                text=text,
-                token=token,
-                logprobs=commit.logprobs[i],
-                from_draft=i < commit.accepted,
-                prompt_tokens=ids.size,
-                prompt_tps=prompt_tps,
-                generation_tokens=n,
-                generation_tps=n / elapsed if elapsed > 0 else 0.0,
-                peak_memory=mx.get_peak_memory() / 1e9,
-                finish_reason=finish,
-                cycles=cycles,
-                accepted_tokens=accepted,
-                drafted_tokens=drafted,
-                tokens_per_cycle=(n - 1) / cycles if cycles else 0.0,
-                cached_prompt_tokens=reused,
-                block_tokens=commit.drafted + 1 if cycles else 0,
-                block_histogram=histogram,
-            )
-            if finish is not None:
-                return
+                    text, finish = stop_text.push(detokenizer.last_segment)[0] + stop_text.flush(), "stop"
+                else:
+                    detokenizer.add_token(token)
+                    text, stopped = stop_text.push(detokenizer.last_segment)
+                    if stopped:
+                        finish = "stop"
+                    elif n >= max_tokens:
+                        detokenizer.finalize()
+                        text += stop_text.push(detokenizer.last_segment)[0] + stop_text.flush()
+                        finish = "length"
+                elapsed = time.perf_counter() - tic
+                yield GenerationResponse(
+                    text=text,
+                    token=token,
+                    logprobs=commit.logprobs[i],
+                    from_draft=i < commit.accepted,
+                    prompt_tokens=ids.size,
+                    prompt_tps=prompt_tps,
+                    generation_tokens=n,
+                    generation_tps=n / elapsed if elapsed > 0 else 0.0,
+                    peak_memory=mx.get_peak_memory() / 1e9,
+                    finish_reason=finish,
+                    cycles=cycles,
+                    accepted_tokens=accepted,
+                    drafted_tokens=drafted,
+                    tokens_per_cycle=(n - 1) / cycles if cycles else 0.0,
+                    cached_prompt_tokens=reused,
+                    block_tokens=commit.drafted + 1 if cycles else 0,
+                    block_histogram=histogram,
+                )
+                if n % 256 == 0:
+                    mx.clear_cache()
+                if finish is not None:
+                    return
 
 
 def generate(

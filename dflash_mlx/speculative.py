@@ -62,6 +62,7 @@ def prefill(
         start = end
         made = on_features(features) if on_features is not None else None
         mx.eval(logits, cache_arrays(cache), made or [])
+        mx.clear_cache()  # the chunk's activations go back to the system, as mlx-lm's prefill does
         if on_chunk is not None:
             on_chunk()
     return logits[0, -1]
