@@ -330,7 +330,9 @@ def serve(
         max_request_bytes=max_request_bytes, block_tokens=block_tokens,
     )
     typer.secho(f"serving {name!r} on http://{host}:{port}/v1", err=True)
-    uvicorn.run(app_, host=host, port=port, log_level="warning")
+    # Ctrl-C: uvicorn closes the connections, which cancels their generations at the next step;
+    # whatever still holds on after a second is cancelled outright.
+    uvicorn.run(app_, host=host, port=port, log_level="warning", timeout_graceful_shutdown=1)
 
 
 @app.command()

@@ -115,6 +115,45 @@ def test_a_dropped_non_streaming_request_frees_the_model(server):
     assert httpx.get(f"{server}/health").json()["queue_depth"] == 0
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["streaming", "whole"])
+def test_ctrl_c_stops_the_server_during_a_generation(pair, stream):
+    """SIGINT while a long answer is being generated: the server exits within seconds."""
+    import signal
+    import threading
+
+    target, draft = pair
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "dflash_mlx.cli", "serve", "-m", str(target), "-d", str(draft),
+                                "--port", str(port), "--max-tokens", "100000"], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        body = {"model": target.name, "prompt": [5, 6, 7], "max_tokens": 4000, "temperature": 0, "stream": stream}  # ~10 s
+        def ask():
+            try:
+                httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            except httpx.HTTPError:
+                pass  # the server goes away mid-answer: expected
+
+        threading.Thread(target=ask, daemon=True).start()
+        while httpx.get(f"{url}/health").json()["queue_depth"] == 0:
+            time.sleep(0.05)
+        start = time.time()
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=20)
+        assert time.time() - start < 3, f"the server took {time.time() - start:.1f} s: it waited for the generation"
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
 def test_greedy_chat_equals_dflash_generate(client, local):
     model, tokenizer = local
     reply = chat(client, "def fibonacci(n):", max_tokens=24)
