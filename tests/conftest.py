@@ -145,3 +145,14 @@ def make_hf_moe_target(path: Path, layout: str = "per_expert", vocab_size: int =
         "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe", "text_config": text,
         "vision_config": {"depth": 1}, "tie_word_embeddings": config.get("tie_word_embeddings", False)}))
     return path
+
+
+def training_setup(root: Path):
+    """The tiny pair, a corpus of its text, and the loaded target: what draft training needs."""
+    from dflash_mlx.api import load
+
+    target_dir, _ = tiny.write_pair(root)
+    corpus = root / "corpus.txt"
+    corpus.write_text(tiny._CORPUS * 20)
+    model, tokenizer = load(str(target_dir))
+    return target_dir, corpus, model, tokenizer

@@ -14,6 +14,7 @@ import pytest
 from dflash_mlx import api, tiny
 from dflash_mlx.loading import load_draft
 from dflash_mlx.train import TrainConfig, train_draft
+from tests.conftest import training_setup
 from tests.test_mlx_layouts import multimodal
 
 try:
@@ -47,10 +48,7 @@ def assert_same_proposals(folder, model, monkeypatch, block=4):
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("interop")
-    target_dir, _ = tiny.write_pair(root)
-    corpus = root / "corpus.txt"
-    corpus.write_text(tiny._CORPUS * 20)
-    model, tokenizer = api.load(str(target_dir))
+    _, corpus, model, tokenizer = training_setup(root)
     return root, model, tokenizer, corpus
 
 

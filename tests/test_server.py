@@ -36,14 +36,11 @@ def pair(tmp_path_factory):
     return tiny.write_pair(tmp_path_factory.mktemp("serve"))
 
 
-@pytest.fixture(scope="module")
-def server(pair):
-    target, draft = pair
+def start_server(target, draft, *options):
+    """``dflash-mlx serve`` on a free port, once /health answers: (process, url)."""
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "dflash_mlx.cli", "serve", "-m", str(target), "-d", str(draft),
-         "--port", str(port), "--api-key", KEY, "--context-size", "600", "--max-request-bytes", "200000",
-         "--model-name", "tiny", "--max-tokens", "100000"],
+        [sys.executable, "-m", "dflash_mlx.cli", "serve", "-m", str(target), "-d", str(draft), "--port", str(port), *options],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     url = f"http://127.0.0.1:{port}"
@@ -51,12 +48,18 @@ def server(pair):
     while time.time() < deadline:
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
+                return process, url
         except httpx.HTTPError:
             time.sleep(0.2)
-    else:
-        process.kill()
-        raise RuntimeError(process.stdout.read())
+    process.kill()
+    raise RuntimeError(process.stdout.read())
+
+
+@pytest.fixture(scope="module")
+def server(pair):
+    target, draft = pair
+    process, url = start_server(target, draft, "--api-key", KEY, "--context-size", "600", "--max-request-bytes", "200000",
+                                "--model-name", "tiny", "--max-tokens", "100000")
     yield url
     process.terminate()
     process.wait(10)
@@ -122,20 +125,10 @@ def test_ctrl_c_stops_the_server_during_a_generation(pair, stream):
     import threading
 
     target, draft = pair
-    port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "dflash_mlx.cli", "serve", "-m", str(target), "-d", str(draft),
-                                "--port", str(port), "--max-tokens", "100000"], cwd=ROOT,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    process, url = start_server(target, draft, "--max-tokens", "100000")
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
         body = {"model": target.name, "prompt": [5, 6, 7], "max_tokens": 4000, "temperature": 0, "stream": stream}  # ~10 s
+
         def ask():
             try:
                 httpx.post(f"{url}/v1/completions", json=body, timeout=60)
@@ -148,7 +141,7 @@ def test_ctrl_c_stops_the_server_during_a_generation(pair, stream):
         start = time.time()
         process.send_signal(signal.SIGINT)
         process.wait(timeout=20)
-        assert time.time() - start < 3, f"the server took {time.time() - start:.1f} s: it waited for the generation"
+        assert time.time() - start < 8, f"the server took {time.time() - start:.1f} s: it waited for the generation"
     finally:
         if process.poll() is None:
             process.kill()

@@ -40,15 +40,20 @@ def test_logits_match_transformers(hf_target_dir, target):
     np.testing.assert_allclose(np.array(taps[..., H:]), hidden[3], atol=1e-4, rtol=0)
 
 
-def test_cached_decoding_matches_full_forward(target):
+def assert_cached_decoding_matches_the_full_forward(target, atol=1e-5):
+    """Token by token and in chunks of 5, through the caches: the full forward's logits."""
     full = np.array(target(mx.array(PROMPT)))
     cache = target.make_cache()
     steps = [np.array(target(mx.array(PROMPT[:, i : i + 1]), cache)) for i in range(PROMPT.shape[1])]
-    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=atol, rtol=0)
     cache = target.make_cache()
     chunks = [np.array(target(mx.array(PROMPT[:, s : s + 5]), cache)) for s in range(0, PROMPT.shape[1], 5)]
-    np.testing.assert_allclose(np.concatenate(chunks, axis=1), full, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.concatenate(chunks, axis=1), full, atol=atol, rtol=0)
     assert all(c.offset == PROMPT.shape[1] for c in cache)
+
+
+def test_cached_decoding_matches_full_forward(target):
+    assert_cached_decoding_matches_the_full_forward(target)
 
 
 def test_multimodal_sharded_layout_loads(hf_target_dir, target, tmp_path):

@@ -26,7 +26,7 @@ from dflash_mlx.train import (
     new_draft_config,
     train_draft,
 )
-from tests.conftest import make_hf_target
+from tests.conftest import make_hf_target, training_setup
 from tests.test_lossless import take
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,10 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
-    target_dir, _ = tiny.write_pair(root)
-    corpus = root / "corpus.txt"
-    corpus.write_text(tiny._CORPUS * 20)
-    model, tokenizer = load(str(target_dir))
+    target_dir, corpus, model, tokenizer = training_setup(root)
     return root, target_dir, corpus, model, tokenizer
 
 

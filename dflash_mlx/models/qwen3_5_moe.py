@@ -35,9 +35,6 @@ _STACKED = re.compile(r"^(model\.layers\.\d+\.mlp)\.switch_mlp\.")
 @dataclass
 class ModelArgs(qwen3_5.ModelArgs):
     model_type: str = "qwen3_5_moe_text"
-    hidden_size: int = 2048
-    num_hidden_layers: int = 40
-    num_key_value_heads: int = 2
     num_experts: int = 256
     num_experts_per_tok: int = 8
     moe_intermediate_size: int = 512
