@@ -147,7 +147,7 @@ def test_sampling_follows_the_target_on_the_emulated_metal_path(tmp_path_factory
     target, config = load_target(path, recurrence=emulated_recurrence())
     draft = make_draft(tmp_path_factory.mktemp("mac_small_draft"), target, config, block_size=4, seed=12)
     sampler = test_sampling.SAMPLERS[1]
-    counts = test_sampling.sampled_joint(target, draft, sampler, seed=0)
+    counts = test_sampling.sampled_joint(target, draft, sampler, seed=0, samples=test_sampling.SAMPLES // 2)
     pvalue = test_sampling.goodness_of_fit(counts, test_sampling.exact_joint(target, sampler))
     assert pvalue > 1e-3, f"speculative samples on the Metal path do not follow the target (p={pvalue:.2g})"
     assert set(kernels_used(target).values()) == {"ok"}
@@ -244,14 +244,14 @@ def small_prompts():
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_pairs_are_lossless_through_the_verify_kernel(bf16_target_dir, tmp_path, bits, small_prompts):
     """Greedy output of a w4 (w8) target with a w4 (w8) draft equals the target alone at blocks
-    2/4/8 and at every acceptance length, with decode steps, verify blocks and draft passes all
+    2 and 8 and at every acceptance length (block 4), with decode steps, verify blocks and draft passes all
     through the kernel (each specialization self-checked, none fell back)."""
     target, draft, metal = quantized_mac_pair(bf16_target_dir, tmp_path, bits)
-    check_greedy_lossless(target, draft, small_prompts[:1], [2, 4, 8], n=16)
+    check_greedy_lossless(target, draft, small_prompts[:1], [2, 8], n=16)
     assert check_every_acceptance_length(target, small_prompts[1:2]) == set(range(4))
     report = {k: v for k, v in metal.report().items() if k.startswith("quantized_verify")}
     rows = {int(k.split("Rows=")[1].split()[0]) for k in report}
-    assert {1, 2, 4, 8} <= rows and set(report.values()) == {"ok"}, report
+    assert {1, 2, 4, 8} <= rows and set(report.values()) == {"ok"}, report  # decode, and blocks 2, 4 and 8
 
 
 def test_a_mutated_verify_kernel_fails_the_lossless_test(bf16_target_dir, tmp_path, small_prompts):
