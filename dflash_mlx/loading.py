@@ -134,18 +134,24 @@ def target_kind(config: Dict[str, Any]) -> str:
     return kind
 
 
+def target_module(config: Dict[str, Any]):
+    """The model file for a target's config: ``models.qwen3_5`` or ``models.qwen3_5_moe``."""
+    from .models import qwen3_5, qwen3_5_moe
+
+    return qwen3_5_moe if target_kind(config) == "moe" else qwen3_5
+
+
 def load_target(path: Path, recurrence=None) -> Tuple[Any, Dict[str, Any]]:
     """A Qwen3.5 target (``models.qwen3_5.Model``, or ``models.qwen3_5_moe.Model`` for the mixture
     of experts) and its config. ``recurrence`` (``kernels.Recurrence``) overrides how its Gated
     DeltaNet layers run; by default the kernels on an Apple GPU, the chunked pure-MLX form on the CPU."""
-    from .models import qwen3_5, qwen3_5_moe
+    from .models import qwen3_5
 
     config = read_config(path)
     try:
-        kind = target_kind(config)
+        module = target_module(config)
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from e
-    module = qwen3_5_moe if kind == "moe" else qwen3_5
     try:
         model = module.Model(module.ModelArgs.from_dict(config))
         weights = model.sanitize(read_weights(path))
@@ -154,13 +160,12 @@ def load_target(path: Path, recurrence=None) -> Tuple[Any, Dict[str, Any]]:
     quantization = mlx_quantization(config)
     if quantization:
         quantize_from_config(model, quantization, weights, qwen3_5.module_path)
-    if kind == "moe" and mx.default_device() == mx.cpu:
-        model.experts_in_float32()
-        weights = {k: v.astype(mx.float32) if ".switch_mlp." in k and v.dtype in (mx.bfloat16, mx.float16) else v
-                   for k, v in weights.items()}
     if recurrence is not None:
         model.use_recurrence(recurrence)
-    return _load_weights(model, weights, path), config
+    model = _load_weights(model, weights, path)
+    if target_kind(config) == "moe" and mx.default_device() == mx.cpu:
+        model.experts_in_float32()  # MLX's CPU gather_mm computes only in float32
+    return model, config
 
 
 def _load_weights(model: nn.Module, weights: Dict[str, mx.array], path: Path) -> nn.Module:

@@ -121,8 +121,8 @@ class MatmulShape:
         return f"{self.mode}{self.bits} gs{self.group_size} K{self.K} N{self.N} M{self.rows} {self.dtype}"
 
 
-def _dtype(name: str) -> mx.Dtype:
-    return getattr(mx, name)
+def dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).split(".")[-1]  # "bfloat16"
 
 
 class QuantizedMatmuls:
@@ -153,7 +153,7 @@ class QuantizedMatmuls:
         rows = x.size // K if K else 0
         if not 1 <= rows <= MAX_ROWS or not kernel_supports(bits, group_size, mode):
             return None
-        shape = MatmulShape(K, w.shape[0], bits, group_size, mode, rows, str(x.dtype).split(".")[-1])
+        shape = MatmulShape(K, w.shape[0], bits, group_size, mode, rows, dtype_name(x.dtype))
         if not always and self.choices.get(shape) != OURS:
             return None
         launch = quantized_verify_launch(x.reshape(rows, K), w, scales, biases, group_size, bits, mode)
@@ -162,53 +162,57 @@ class QuantizedMatmuls:
         return self.metal.run(launch)[0].reshape(*x.shape[:-1], w.shape[0])
 
 
-def _route(layer, x, weight, scales, biases, group_size, bits, mode) -> Optional[mx.array]:
-    matmuls = layer.matmuls
-    return None if matmuls is None else matmuls.matmul(x, weight, scales, biases, group_size, bits, mode)
+class _Routed:
+    """What the routed layers share: MLX's quantized arrays adopted as they are, and a matmul
+    that asks ``matmuls`` before MLX's own."""
+
+    def _adopt(self, layer: nn.Module, matmuls: Optional[QuantizedMatmuls]) -> None:
+        nn.Module.__init__(self)  # MLX's __init__ would quantize random weights
+        self.group_size, self.bits, self.mode = layer.group_size, layer.bits, layer.mode
+        dict.update(self, layer.items())  # the same arrays: weight, scales, biases, bias
+        self.freeze()
+        object.__setattr__(self, "matmuls", matmuls)  # a plain attribute, not a parameter
+
+    def _through_kernel(self, x: mx.array, always: bool = False) -> Optional[mx.array]:
+        if self.matmuls is None:
+            return None
+        return self.matmuls.matmul(x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits,
+                                   self.mode, always=always)
 
 
 def kernel_rows(layer: nn.Module, x: mx.array) -> Optional[mx.array]:
     """``layer(x)`` through the verify kernel whatever the tuner chose, so that each row is computed
     exactly as it would be alone (a router's choice may not depend on the rows beside it); None
     where the layer is not routed to Metal or the kernel cannot take it."""
-    if not isinstance(layer, QuantizedLinear) or layer.matmuls is None:
+    if not isinstance(layer, QuantizedLinear):
         return None
-    y = layer.matmuls.matmul(x, layer["weight"], layer["scales"], layer.get("biases"), layer.group_size, layer.bits,
-                             layer.mode, always=True)
+    y = layer._through_kernel(x, always=True)
     return y if y is None or "bias" not in layer else y + layer["bias"]
 
 
-class QuantizedLinear(nn.QuantizedLinear):
+class QuantizedLinear(_Routed, nn.QuantizedLinear):
     """MLX's quantized linear layer (same parameters, same checkpoints) whose matmul asks
     ``matmuls`` first; built from a loaded layer without re-quantizing anything."""
 
     def __init__(self, layer: nn.QuantizedLinear, matmuls: Optional[QuantizedMatmuls]):
-        nn.Module.__init__(self)  # nn.QuantizedLinear.__init__ would quantize random weights
-        self.group_size, self.bits, self.mode = layer.group_size, layer.bits, layer.mode
-        dict.update(self, layer.items())  # the same arrays: weight, scales, biases, bias
-        self.freeze()
-        object.__setattr__(self, "matmuls", matmuls)  # a plain attribute, not a parameter
+        self._adopt(layer, matmuls)
 
     def __call__(self, x):
-        y = _route(self, x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits, self.mode)
+        y = self._through_kernel(x)
         if y is None:
             return super().__call__(x)
         return y + self["bias"] if "bias" in self else y
 
 
-class QuantizedEmbedding(nn.QuantizedEmbedding):
+class QuantizedEmbedding(_Routed, nn.QuantizedEmbedding):
     """MLX's quantized embedding whose ``as_linear`` (a tied output head) asks ``matmuls`` first."""
 
     def __init__(self, layer: nn.QuantizedEmbedding, matmuls: Optional[QuantizedMatmuls]):
-        nn.Module.__init__(self)
-        self.group_size, self.bits, self.mode = layer.group_size, layer.bits, layer.mode
+        self._adopt(layer, matmuls)
         self.num_embeddings, self.dims = layer.num_embeddings, layer.dims
-        dict.update(self, layer.items())
-        self.freeze()
-        object.__setattr__(self, "matmuls", matmuls)
 
     def as_linear(self, x):
-        y = _route(self, x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits, self.mode)
+        y = self._through_kernel(x)
         return super().as_linear(x) if y is None else y
 
 
@@ -226,6 +230,14 @@ def route(model: nn.Module, matmuls: Optional[QuantizedMatmuls]) -> int:
     if routed:
         model.update_modules(tree_unflatten(routed))
     return sum(isinstance(m, (QuantizedLinear, QuantizedEmbedding)) for _, m in model.named_modules())
+
+
+def route_layers(model: nn.Module, layers, matmuls: Optional[QuantizedMatmuls]) -> None:
+    """``route`` the model, and mark each of ``layers`` eager where it may now run the kernel
+    (a layer's ``eager`` attribute: the layer then runs uncompiled)."""
+    route(model, matmuls)
+    for layer in layers:
+        object.__setattr__(layer, "eager", routes_to_metal(layer))
 
 
 def routes_to_metal(model: nn.Module) -> bool:
@@ -249,14 +261,14 @@ def shapes_of(models: Iterable[nn.Module], rows: Iterable[int] = range(1, MAX_RO
             N, packed = m["weight"].shape
             act = dtype or (m["scales"].dtype if m.mode == "affine" else mx.bfloat16)
             for r in rows:
-                shape = MatmulShape(packed * 32 // m.bits, N, m.bits, m.group_size, m.mode, r, str(act).split(".")[-1])
+                shape = MatmulShape(packed * 32 // m.bits, N, m.bits, m.group_size, m.mode, r, dtype_name(act))
                 seen[shape] = None
     return list(seen)
 
 
 def _inputs(shape: MatmulShape, seed: int = 0):
     kx, kw = mx.random.split(mx.random.key(seed))
-    dtype = _dtype(shape.dtype)
+    dtype = getattr(mx, shape.dtype)
     x = mx.random.normal((shape.rows, shape.K), key=kx).astype(dtype)
     w, scales, *biases = mx.quantize(mx.random.normal((shape.N, shape.K), key=kw).astype(dtype) * 0.02,
                                      shape.group_size, shape.bits, mode=shape.mode)

@@ -39,19 +39,26 @@ def peak_resident_bytes() -> int:
 CHUNK_BYTES = 64 * 1024**2
 
 
-def quantize_rows(weight: mx.array, group_size: int, bits: int, chunk_bytes: int = CHUNK_BYTES):
-    """``mx.quantize`` a few rows at a time (groups run along rows, so the result is the same bit
-    for bit) to bound its float temporaries: a 248k-row embedding is quantized in 64 MB slices."""
-    shape, K = weight.shape, weight.shape[-1]
-    flat = weight.reshape(-1, K)
-    step = max(1, chunk_bytes // (K * weight.dtype.size))
+def _quantize_slices(n_rows: int, K: int, itemsize: int, rows: Callable[[int, int], mx.array], group_size: int,
+                     bits: int, chunk_bytes: int) -> list:
+    """``mx.quantize`` of ``rows(start, stop)`` slices of about ``chunk_bytes``, concatenated: groups
+    run along rows, so the result is the quantization of the whole, bit for bit, while the float
+    temporaries (and, read from a file, the source) stay one slice big."""
+    step = max(1, chunk_bytes // (K * itemsize))
     parts = []
-    for start in range(0, flat.shape[0], step):
-        part = mx.quantize(flat[start : start + step], group_size, bits)
+    for start in range(0, n_rows, step):
+        part = mx.quantize(rows(start, min(n_rows, start + step)), group_size, bits)
         mx.eval(part)
         mx.clear_cache()  # this slice's float temporaries
         parts.append(part)
-    out = [mx.concatenate([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(3)]
+    return [mx.concatenate([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(3)]
+
+
+def quantize_rows(weight: mx.array, group_size: int, bits: int, chunk_bytes: int = CHUNK_BYTES):
+    """``mx.quantize`` of an array a few rows at a time (a 248k-row embedding in 64 MB slices)."""
+    shape, K = weight.shape, weight.shape[-1]
+    flat = weight.reshape(-1, K)
+    out = _quantize_slices(flat.shape[0], K, weight.dtype.size, lambda a, b: flat[a:b], group_size, bits, chunk_bytes)
     return [o.reshape(*shape[:-1], o.shape[-1]) for o in out]
 
 
@@ -92,14 +99,7 @@ def row_readers(source: Path, module_path: Callable[[str], Optional[str]], min_b
 def quantize_from_file(reader, group_size: int, bits: int, chunk_bytes: int = CHUNK_BYTES):
     """``quantize_rows`` of a tensor read from disk a slice at a time (see ``row_readers``)."""
     (N, K), dtype, rows = reader
-    step = max(1, chunk_bytes // (K * dtype.size))
-    parts = []
-    for start in range(0, N, step):
-        part = mx.quantize(rows(start, min(N, start + step)), group_size, bits)
-        mx.eval(part)
-        mx.clear_cache()
-        parts.append(part)
-    return [mx.concatenate([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(3)]
+    return _quantize_slices(N, K, dtype.size, rows, group_size, bits, chunk_bytes)
 
 
 def _quantized_form(path: str, module: nn.Module, weight: mx.array, bits: int, group_size: int) -> Optional[dict]:
@@ -115,9 +115,7 @@ def _quantized_form(path: str, module: nn.Module, weight: mx.array, bits: int, g
 
 def _skeleton(config: Dict):
     """The target's module tree for ``config``, no weight materialized (MLX is lazy)."""
-    from .models import qwen3_5, qwen3_5_moe
-
-    module = qwen3_5_moe if loading.target_kind(config) == "moe" else qwen3_5
+    module = loading.target_module(config)
     return module.Model(module.ModelArgs.from_dict(config))
 
 

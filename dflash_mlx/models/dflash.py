@@ -341,10 +341,9 @@ class DFlashDraft(nn.Module):
     def use_quantized_matmuls(self, matmuls: Optional[quantized.QuantizedMatmuls]) -> "DFlashDraft":
         """Route the draft's quantized layers through ``matmuls`` (the verify kernel on Metal);
         layers that may then run the kernel are no longer compiled."""
-        quantized.route(self, matmuls)
+        quantized.route_layers(self, self.layers, matmuls)
         for layer in self.layers:
-            object.__setattr__(layer, "eager", quantized.routes_to_metal(layer))
-            layer._before_attention = layer._after_attention = None
+            layer._before_attention = layer._after_attention = None  # rebuilt, compiled or not
         return self
 
     @property

@@ -376,9 +376,7 @@ class Model(nn.Module):
     def use_quantized_matmuls(self, matmuls: Optional[quantized.QuantizedMatmuls]) -> "Model":
         """Route every quantized layer through ``matmuls`` (the verify kernel on Metal); the layers
         that may then run the kernel are no longer compiled."""
-        quantized.route(self, matmuls)
-        for layer in self.layers:
-            object.__setattr__(layer, "eager", quantized.routes_to_metal(layer))
+        quantized.route_layers(self, self.layers, matmuls)
         return self
 
     def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
