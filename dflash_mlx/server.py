@@ -233,8 +233,8 @@ class BodyLimit:
         self.app, self.limit = app, limit
 
     def _refusal(self):
-        return JSONResponse(error_body(f"request body larger than {self.limit} bytes", "invalid_request_error",
-                                       code="request_too_large"), status_code=413)
+        return JSONResponse(error_body(BodyTooLarge(self.limit).detail, "invalid_request_error", code="request_too_large"),
+                            status_code=413)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
