@@ -115,8 +115,14 @@ def test_auto_is_the_default_and_lossless(pair, monkeypatch):
     # seeded sampled one drafts whole blocks, so that the seed reproduces it.
     from dflash_mlx import block_policy
 
-    made = []
-    monkeypatch.setattr(block_policy.AutoBlock, "shadow_tokens", lambda self: made.append(self.can_shadow) or 0)
+    made = []  # can_shadow of every controller the requests build (recorded at construction: the
+    real_init = block_policy.AutoBlock.__init__  # controller may never pick a plain step in 8 tokens)
+
+    def recording(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        made.append(self.can_shadow)
+
+    monkeypatch.setattr(block_policy.AutoBlock, "__init__", recording)
     generate(model, tokenizer, "def", max_tokens=8, temp=0.8)
     assert made and not any(made)
     made.clear()
