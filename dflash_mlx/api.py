@@ -6,7 +6,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationResponse as MlxLmResponse
@@ -18,9 +18,9 @@ from . import defaults, device, loading, quantized
 from .block_policy import AutoBlock, BlockStats, BlockTokens
 from .models.dflash import DFlashDraft, quantize_draft
 from .models.qwen3_5 import Model as Target
-from .prompt_cache import PromptCache
+from .prompt_cache import PromptCache, PromptCachePool
 from .sampling import Sampler
-from .speculative import speculative, target_only
+from .speculative import Cancelled, speculative, target_only
 
 Prompt = Union[str, Sequence[int], Sequence[Dict[str, Any]], mx.array]
 
@@ -280,8 +280,9 @@ def stream_generate(
     use_draft: bool = True,
     prefill_step_size: int = 512,
     enable_thinking: Optional[bool] = None,
-    prompt_cache: Optional[PromptCache] = None,
+    prompt_cache: Union[None, PromptCache, PromptCachePool] = None,
     checkpoint_at: Sequence[int] = (),
+    cancelled: Optional[Callable[[], bool]] = None,
 ) -> Iterator[GenerationResponse]:
     """Yield one response per generated token, as ``mlx_lm.stream_generate`` does.
 
@@ -292,10 +293,12 @@ def stream_generate(
     costs and acceptance, down to 1 (plain decoding) when drafting does not pay; ``"auto:N"``
     caps it at N; an integer N drafts exactly N tokens per cycle (1: the target alone). A sampled
     request with a ``seed`` drafts whole blocks (N, or the cap), so that it is reproducible.
-    ``prompt_cache`` (a ``PromptCache``) keeps the caches between calls: a prompt that extends an
-    earlier one (the next chat turn, the same file context) only prefills what is new;
-    ``checkpoint_at`` lists prompt positions worth a checkpoint (e.g. where the next turn's
-    prompt will start to differ).
+    ``prompt_cache`` (a ``PromptCache``, or a ``PromptCachePool`` of several) keeps the caches
+    between calls: a prompt that shares a prefix with an earlier one (the next chat turn, the
+    same file context) only prefills the rest; ``checkpoint_at`` lists prompt positions worth a
+    checkpoint (e.g. where the next turn's prompt will start to differ).
+    ``cancelled``: polled between prefill chunks; when it returns True the prefill stops there
+    (the cache keeps what was fed) and nothing is yielded.
     """
     if isinstance(model, Target):
         model = DFlashModel(model)
@@ -308,104 +311,120 @@ def stream_generate(
     if seed is not None:
         mx.random.seed(seed)
     ids = encode_prompt(tokenizer, prompt, enable_thinking)
-    setting = BlockTokens.parse(block_tokens)
-    draft = model.draft if use_draft else None
-    if draft is None and use_draft and not setting.auto and setting.tokens != 1:
-        raise ValueError(f"block_tokens {str(setting)!r} needs a draft model")
-    if draft is not None:
-        cap = setting.cap(draft.block_size)
-        if cap == 1:
-            draft = None  # no draft slot: plain decoding
-        else:
-            chooser = cap
-            # Auto's choices follow measured times, and a sampled cycle's random draws depend on
-            # its size: a seeded sampled request drafts whole blocks, so the seed gives the same
-            # text every time. Shadow probes grade drafts by matching greedy tokens: greedy only.
-            if setting.auto and (sampler.greedy or seed is None):
-                chooser = AutoBlock(model.block_stats, cap, shadow=sampler.greedy)
-    cache = draft_cache = on_chunk = None
-    reused = 0
-    if prompt_cache is not None:
-        reused = prompt_cache.prepare(model.target, draft, ids.tolist(), model.draft_window)
-        cache, draft_cache = prompt_cache.cache, prompt_cache.draft_cache
-        on_chunk = prompt_cache.checkpoint_here
-    feed = ids[reused:]
-    # With a cache, also checkpoint before the last prompt token: the same prompt sent again
-    # (an editor retrying, a regenerate button) then reuses all but that token.
-    split_at = [p - reused for p in (*checkpoint_at, ids.size - 1)] if prompt_cache is not None else []
-    if draft is not None:
-        steps = speculative(
-            model.target, draft, feed, sampler, chooser, prefill_step_size, model.draft_window,
-            cache, draft_cache, on_chunk, split_at,
-        )
-    else:
-        steps = target_only(model.target, feed, sampler, prefill_step_size, cache, on_chunk, split_at)
+    draft, chooser = _drafting(model, sampler, BlockTokens.parse(block_tokens), use_draft, seed)
+    history = prompt_cache.take(ids.tolist()) if isinstance(prompt_cache, PromptCachePool) else prompt_cache
+    cache = draft_cache = None
+    reused, split_at = 0, []
+    if history is not None:
+        reused = history.prepare(model.target, draft, ids.tolist(), model.draft_window, checkpoint_at)
+        cache, draft_cache = history.cache, history.draft_cache
+        split_at = [p - reused for p in history.split_points()]
 
+    def after_chunk(fed: int) -> None:
+        if history is not None:
+            history.fed(reused + fed)
+        if cancelled is not None and cancelled():
+            raise Cancelled
+
+    feed, eos = ids[reused:], set(tokenizer.eos_token_ids)
+    if draft is not None:
+        steps = speculative(model.target, draft, feed, sampler, chooser, prefill_step_size, model.draft_window,
+                            cache, draft_cache, after_chunk, split_at, max_tokens, eos)
+    else:
+        steps = target_only(model.target, feed, sampler, prefill_step_size, cache, after_chunk, split_at, max_tokens, eos)
+    # As mlx-lm does: the weights wired in memory while generating (Metal; a no-op elsewhere).
+    try:
+        with wired_limit(model.target):
+            yield from _responses(steps, tokenizer, ids.size, reused, stop or [], max_tokens, history)
+    except Cancelled:
+        return
+    finally:
+        steps.close()  # undoes the step in flight: the caches hold exactly the recorded tokens
+        if isinstance(prompt_cache, PromptCachePool):
+            prompt_cache.trim()
+
+
+def _drafting(model: DFlashModel, sampler: Sampler, setting: BlockTokens, use_draft: bool, seed: Optional[int]):
+    """The draft to run (None: the target alone) and its block size or ``BlockChooser``."""
+    draft = model.draft if use_draft else None
+    if draft is None:
+        if use_draft and not setting.auto and setting.tokens != 1:
+            raise ValueError(f"block_tokens {str(setting)!r} needs a draft model")
+        return None, None
+    cap = setting.cap(draft.block_size)
+    if cap == 1:
+        return None, None  # no draft slot: plain decoding
+    # Auto's choices follow measured times, and a sampled cycle's random draws depend on its size:
+    # a seeded sampled request drafts whole blocks, so the seed gives the same text every time.
+    # Shadow probes grade drafts by matching greedy tokens: greedy only.
+    if setting.auto and (sampler.greedy or seed is None):
+        return draft, AutoBlock(model.block_stats, cap, shadow=sampler.greedy)
+    return draft, cap
+
+
+def _responses(steps, tokenizer, prompt_tokens: int, reused: int, stop: Sequence[str], max_tokens: int,
+               history: Optional[PromptCache]) -> Iterator[GenerationResponse]:
+    """The decode loop's commits as per-token responses: text, stop strings, statistics."""
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
-    stop_text = _StopText(stop or [])
+    stop_text = _StopText(stop)
     eos = set(tokenizer.eos_token_ids)
     tic = time.perf_counter()
     prompt_tps = 0.0
     n = cycles = accepted = drafted = 0
     histogram: Dict[int, int] = {}
     pending: List[int] = []  # the last committed token: the next step feeds it
-    # As mlx-lm does: the weights wired in memory while generating (Metal; a no-op elsewhere),
-    # and MLX's buffer cache handed back every 256 tokens.
-    with wired_limit(model.target):
-        for commit in steps:
-            if prompt_cache is not None:
-                prompt_cache.extend(pending + commit.tokens[:-1] if n else ids[reused:].tolist() + commit.tokens[:-1])
-                pending = commit.tokens[-1:]
-                if n == 0:
-                    prompt_cache.checkpoint_here()
-            if n == 0:
-                prompt_tps = feed.size / (time.perf_counter() - tic)
-                tic = time.perf_counter()
+    for commit in steps:
+        if history is not None:
+            history.extend(pending + commit.tokens[:-1])
+            pending = commit.tokens[-1:]
+        if n == 0:
+            prompt_tps = (prompt_tokens - reused) / (time.perf_counter() - tic)
+            tic = time.perf_counter()
+        else:
+            cycles += 1
+            histogram = {**histogram, commit.drafted + 1: histogram.get(commit.drafted + 1, 0) + 1}
+        accepted += commit.accepted
+        drafted += commit.drafted
+        for i, token in enumerate(commit.tokens):
+            n += 1
+            finish = None
+            if token in eos:
+                detokenizer.finalize()
+                text, finish = stop_text.push(detokenizer.last_segment)[0] + stop_text.flush(), "stop"
             else:
-                cycles += 1
-                histogram = {**histogram, commit.drafted + 1: histogram.get(commit.drafted + 1, 0) + 1}
-            accepted += commit.accepted
-            drafted += commit.drafted
-            for i, token in enumerate(commit.tokens):
-                n += 1
-                finish = None
-                if token in eos:
+                detokenizer.add_token(token)
+                text, stopped = stop_text.push(detokenizer.last_segment)
+                if stopped:
+                    finish = "stop"
+                elif n >= max_tokens:
                     detokenizer.finalize()
-                    text, finish = stop_text.push(detokenizer.last_segment)[0] + stop_text.flush(), "stop"
-                else:
-                    detokenizer.add_token(token)
-                    text, stopped = stop_text.push(detokenizer.last_segment)
-                    if stopped:
-                        finish = "stop"
-                    elif n >= max_tokens:
-                        detokenizer.finalize()
-                        text += stop_text.push(detokenizer.last_segment)[0] + stop_text.flush()
-                        finish = "length"
-                elapsed = time.perf_counter() - tic
-                yield GenerationResponse(
-                    text=text,
-                    token=token,
-                    logprobs=commit.logprobs[i],
-                    from_draft=i < commit.accepted,
-                    prompt_tokens=ids.size,
-                    prompt_tps=prompt_tps,
-                    generation_tokens=n,
-                    generation_tps=n / elapsed if elapsed > 0 else 0.0,
-                    peak_memory=mx.get_peak_memory() / 1e9,
-                    finish_reason=finish,
-                    cycles=cycles,
-                    accepted_tokens=accepted,
-                    drafted_tokens=drafted,
-                    tokens_per_cycle=(n - 1) / cycles if cycles else 0.0,
-                    cached_prompt_tokens=reused,
-                    block_tokens=commit.drafted + 1 if cycles else 0,
-                    block_histogram=histogram,
-                )
-                if n % 256 == 0:
-                    mx.clear_cache()
-                if finish is not None:
-                    return
+                    text += stop_text.push(detokenizer.last_segment)[0] + stop_text.flush()
+                    finish = "length"
+            elapsed = time.perf_counter() - tic
+            yield GenerationResponse(
+                text=text,
+                token=token,
+                logprobs=commit.logprobs[i],
+                from_draft=i < commit.accepted,
+                prompt_tokens=prompt_tokens,
+                prompt_tps=prompt_tps,
+                generation_tokens=n,
+                generation_tps=n / elapsed if elapsed > 0 else 0.0,
+                peak_memory=mx.get_peak_memory() / 1e9,
+                finish_reason=finish,
+                cycles=cycles,
+                accepted_tokens=accepted,
+                drafted_tokens=drafted,
+                tokens_per_cycle=(n - 1) / cycles if cycles else 0.0,
+                cached_prompt_tokens=reused,
+                block_tokens=commit.drafted + 1 if cycles else 0,
+                block_histogram=histogram,
+            )
+            if n % 256 == 0:
+                mx.clear_cache()  # MLX's buffer cache handed back every 256 tokens, as mlx-lm does
+            if finish is not None:
+                return
 
 
 def generate(

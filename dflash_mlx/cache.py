@@ -76,3 +76,18 @@ def cache_arrays(cache: list) -> List[mx.array]:
         elif isinstance(c, KVCache) and c.keys is not None:
             out.extend([c.keys, c.values])
     return out
+
+
+def snapshot(cache: list) -> list:
+    """What ``restore`` needs to undo the steps fed after it: the Gated DeltaNet states (immutable
+    arrays, kept by reference) and every layer's length."""
+    return [(c.conv_state, c.state, c.offset) if isinstance(c, GatedDeltaCache) else c.offset for c in cache]
+
+
+def restore(cache: list, saved: list) -> None:
+    """Put every layer back where ``snapshot`` found it (attention caches are trimmed)."""
+    for c, s in zip(cache, saved):
+        if isinstance(c, GatedDeltaCache):
+            (c.conv_state, c.state, c.offset), c.tape = s, None
+        else:
+            c.trim(c.offset - s)

@@ -1,82 +1,239 @@
 """Reuse of target and draft caches across prompts that share a prefix (chat turns, editors).
 
 Attention KV caches can be cut back to any length, but a Gated DeltaNet state cannot be run
-backwards. So the cache keeps *checkpoints*: the Gated DeltaNet states (immutable MLX arrays,
-kept by reference, no copy) at the end of every prefill chunk and of every prompt, and the live
-state after the last step. A new prompt restarts from the longest checkpoint inside the prefix it
-shares with the cached tokens and prefills only the rest. The result is the same computation a
-fresh run does, split at a different place.
+backwards. So a history keeps *checkpoints*: the Gated DeltaNet states (immutable MLX arrays,
+kept by reference, no copy) at chosen prompt positions, and the live state after the last step.
+A new prompt restarts from the longest checkpoint inside the prefix it shares with the cached
+tokens and prefills only the rest: the same computation a fresh run does, split elsewhere.
+
+Where the checkpoints go: with a budget of C, a prefill of an L-token prompt checkpoints every
+ceil(L/C) tokens, so a change at any position p reuses at least p - L/C tokens, plus where the
+request asks (before its last token, for a resend; where the next chat turn will differ). When a
+later prompt adds checkpoints past the budget, the set is thinned to the one whose largest gap
+is smallest. ``PromptCachePool`` keeps several histories (a chat and an editor's completions, two
+projects) under one memory budget, least recently used first out.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+import math
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-from .cache import GatedDeltaCache
+from mlx_lm.models.cache import KVCache
 
-MAX_CHECKPOINTS = 8
+from .cache import GatedDeltaCache, cache_arrays
+
+CHECKPOINTS = 8  # spread over a prompt: about 50 MB each for the 9B target (24 Gated DeltaNet layers)
 
 
 class PromptCache:
     """The caches of one token history, for one target (and draft)."""
 
-    def __init__(self, max_checkpoints: int = MAX_CHECKPOINTS):
+    def __init__(self, checkpoints: int = CHECKPOINTS):
+        if checkpoints < 1:
+            raise ValueError(f"checkpoints must be at least 1, got {checkpoints}")
         self.tokens: List[int] = []  # exactly the tokens the target cache holds
         self.cache: Optional[list] = None
         self.draft_cache: Optional[list] = None
         self.owner: Optional[Tuple[int, int]] = None
         self.checkpoints: Dict[int, list] = {}
-        self.max_checkpoints = max_checkpoints
+        self.spread = checkpoints
+        self.keep: Set[int] = set()  # the latest request's own checkpoints, never thinned away
+        self._prompt: List[int] = []  # the prompt being prefilled, and where its checkpoints go
+        self._plan: Set[int] = set()
 
     def reset(self) -> None:
         self.tokens, self.cache, self.draft_cache, self.owner = [], None, None, None
         self.checkpoints.clear()
+        self.keep, self._plan = set(), set()
 
     def _gdn_states(self) -> list:
         return [(c.conv_state, c.state) for c in self.cache if isinstance(c, GatedDeltaCache)]
 
+    def shared_prefix(self, prompt: Sequence[int]) -> int:
+        """How many leading tokens ``prompt`` shares with this history (all but its last at most:
+        one prompt token must be fed to get logits)."""
+        limit, shared = min(len(self.tokens), len(prompt) - 1), 0
+        while shared < limit and self.tokens[shared] == prompt[shared]:
+            shared += 1
+        return shared
+
+    def _live_is_consistent(self) -> bool:
+        """A generation stopped mid-step (Ctrl-C inside a cycle) can leave the live caches ahead of
+        the recorded tokens: then only the checkpoints are trustworthy."""
+        return self.cache is not None and all(c.offset == len(self.tokens) for c in self.cache + (self.draft_cache or []))
+
+    def restart_point(self, shared: int) -> int:
+        """The longest usable state within the first ``shared`` tokens (0: none)."""
+        live = len(self.tokens) if self._live_is_consistent() and 0 < len(self.tokens) <= shared else 0
+        return max([p for p in self.checkpoints if p <= shared] + [live])
+
     def checkpoint(self, position: int) -> None:
-        """Remember the Gated DeltaNet states of the first ``position`` cached tokens (the
-        live ones: call it when the cache holds exactly that many)."""
+        """Remember the Gated DeltaNet states of the first ``position`` cached tokens (the live
+        ones: call it when the cache holds exactly that many)."""
         self.checkpoints[position] = self._gdn_states()
-        while len(self.checkpoints) > self.max_checkpoints:
-            del self.checkpoints[min(self.checkpoints)]
 
-    def checkpoint_here(self) -> None:
-        """Checkpoint at the current length of the target cache."""
-        self.checkpoint(self.cache[0].offset)
-
-    def prepare(self, target, draft, prompt: List[int], draft_window: Optional[int] = None) -> int:
-        """Make the caches hold a prefix of ``prompt``; returns its length (0 when starting over)."""
+    def prepare(self, target, draft, prompt: List[int], draft_window: Optional[int] = None,
+                wanted: Iterable[int] = ()) -> int:
+        """Make the caches hold a prefix of ``prompt``; returns its length (0 when starting over).
+        ``wanted``: prompt positions this request wants a checkpoint at (kept through thinning)."""
         owner = (id(target), id(draft))
-        shared = 0
-        if self.owner == owner and self.cache is not None:
-            limit = min(len(self.tokens), len(prompt) - 1)  # at least one prompt token must be fed
-            while shared < limit and self.tokens[shared] == prompt[shared]:
-                shared += 1
-        live = len(self.tokens)
-        # A generation stopped mid-step (Ctrl-C, a dropped client) leaves the live state ahead of
-        # the recorded tokens: then only the checkpoints are trustworthy.
-        live_ok = shared > 0 and all(c.offset == live for c in self.cache + (self.draft_cache or []))
-        candidates = [p for p in self.checkpoints if p <= shared] + ([live] if live_ok and live <= shared else [])
-        start = max(candidates, default=0)
+        start = self.restart_point(self.shared_prefix(prompt)) if self.owner == owner else 0
         if start == 0 or (draft is not None and not all(c.rewind(start) for c in self.draft_cache)):
             self.reset()
             self.owner = owner
             self.cache = target.make_cache()
             self.draft_cache = draft.make_cache(draft_window) if draft is not None else None
-            return 0
-        states = iter(self._gdn_states() if start == live else self.checkpoints[start])
-        for c in self.cache:
-            if isinstance(c, GatedDeltaCache):
-                c.conv_state, c.state = next(states)
-                c.offset, c.tape = start, None
-            else:
-                c.trim(c.offset - start)
-        self.tokens = self.tokens[:start]
-        self.checkpoints = {p: s for p, s in self.checkpoints.items() if p <= start}
+            start = 0
+        else:
+            states = iter(self._gdn_states() if start == len(self.tokens) and self._live_is_consistent()
+                          else self.checkpoints[start])
+            for c in self.cache:
+                if isinstance(c, GatedDeltaCache):
+                    c.conv_state, c.state = next(states)
+                    c.offset, c.tape = start, None
+                else:
+                    c.trim(c.offset - start)
+            self.tokens = self.tokens[:start]
+            self.checkpoints = {p: s for p, s in self.checkpoints.items() if p <= start}
+        step = math.ceil(len(prompt) / self.spread)
+        self.keep = {p for p in (*wanted, len(prompt) - 1) if start < p < len(prompt)}
+        self._plan = {j * step for j in range(1, self.spread) if start < j * step < len(prompt)} | self.keep
+        self._prompt = list(prompt)
         return start
+
+    def split_points(self) -> List[int]:
+        """Where the prefill of the prepared prompt must stop for a checkpoint (absolute positions)."""
+        return sorted(self._plan)
+
+    def fed(self, position: int) -> None:
+        """The prefill has fed the prepared prompt up to ``position``: record it, checkpoint where
+        planned, and thin the checkpoints once the whole prompt is in."""
+        self.tokens = self._prompt[:position]
+        if position in self._plan:
+            self.checkpoint(position)
+        if position == len(self._prompt):
+            chosen = spread(self.checkpoints, self.keep, position, self.spread + len(self.keep))
+            self.checkpoints = {p: s for p, s in self.checkpoints.items() if p in chosen}
 
     def extend(self, tokens: List[int]) -> None:
         """Record tokens the target cache now holds."""
         self.tokens.extend(tokens)
+
+    def arrays(self) -> list:
+        """Every array the history holds: live caches and checkpoints (shared ones repeat)."""
+        out = cache_arrays(self.cache or []) + cache_arrays(self.draft_cache or [])
+        for states in self.checkpoints.values():
+            out += [a for pair in states for a in pair if a is not None]
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return _unique_bytes(self.arrays())
+
+    def fork(self, shared: int) -> Optional["PromptCache"]:
+        """A new history holding this one's longest usable prefix within ``shared`` tokens, for a
+        prompt that would otherwise wipe this one. Arrays are sliced, never mutated in place (MLX
+        slice assignment rewrites the array object itself). None if nothing is usable."""
+        start = self.restart_point(shared)
+        draft_cache = [c.fork(start) for c in self.draft_cache] if self.draft_cache is not None else None
+        if start == 0 or (draft_cache is not None and None in draft_cache):
+            return None
+        states = iter(self._gdn_states() if start == len(self.tokens) and self._live_is_consistent()
+                      else self.checkpoints[start])
+        new = PromptCache(self.spread)
+        new.owner, new.tokens, new.draft_cache = self.owner, self.tokens[:start], draft_cache
+        new.checkpoints = {p: s for p, s in self.checkpoints.items() if p <= start}
+        new.cache = []
+        for c in self.cache:
+            if isinstance(c, GatedDeltaCache):
+                layer = GatedDeltaCache(c.recurrence)
+                (layer.conv_state, layer.state), layer.offset = next(states), start
+            else:
+                layer = KVCache()
+                layer.keys, layer.values = c.keys[..., :start, :], c.values[..., :start, :]
+                layer.offset = start
+            new.cache.append(layer)
+        return new
+
+
+def spread(positions: Iterable[int], fixed: Set[int], end: int, budget: int) -> Set[int]:
+    """At most ``budget`` of ``positions`` (``fixed`` always among them) such that the largest gap
+    between 0, the kept positions and ``end`` is as small as possible: for a given gap the greedy
+    walk keeps the fewest; bisection finds the smallest gap that fits the budget."""
+    positions = sorted(set(positions))
+    fixed = set(fixed) & set(positions)
+    if len(positions) <= budget:
+        return set(positions)
+
+    def cover(reach: int) -> Optional[Set[int]]:
+        kept, here = set(fixed), 0
+        for i, p in enumerate(positions):
+            following = positions[i + 1] if i + 1 < len(positions) else end
+            if p - here > reach:
+                return None  # a gap no choice closes
+            if p in fixed or following - here > reach:
+                kept.add(p)
+                here = p
+        return kept if end - here <= reach else None
+
+    low, high, best = 1, max(end, 1), set(fixed)
+    while low <= high:
+        reach = (low + high) // 2
+        kept = cover(reach)
+        if kept is not None and len(kept) <= budget:
+            best, high = kept, reach - 1
+        else:
+            low = reach + 1
+    return best
+
+
+def _unique_bytes(arrays: Iterable) -> int:
+    seen, total = set(), 0
+    for a in arrays:
+        if id(a) not in seen:
+            seen.add(id(a))
+            total += a.nbytes
+    return total
+
+
+class PromptCachePool:
+    """Several histories under one memory budget, so that clients that alternate (a chat and an
+    editor's completions) do not wipe each other's caches.
+
+    A prompt goes to the history it shares the longest prefix with. If that prefix is under half
+    of the history (another file, another conversation with the same system prompt), the history
+    is forked at it instead, so both stay. After each generation the least recently used
+    histories go until the pool fits ``budget_bytes``; the one just used always stays.
+    """
+
+    def __init__(self, budget_bytes: int, checkpoints: int = CHECKPOINTS):
+        if budget_bytes < 0:
+            raise ValueError(f"the prompt cache budget must not be negative, got {budget_bytes}")
+        self.budget_bytes, self.checkpoints = budget_bytes, checkpoints
+        self.histories: List[PromptCache] = []  # least recently used first
+
+    def take(self, prompt: Sequence[int]) -> PromptCache:
+        """The history to run ``prompt`` on, now the most recently used."""
+        best = max(self.histories, key=lambda h: h.shared_prefix(prompt), default=None)
+        shared = best.shared_prefix(prompt) if best is not None else 0
+        if best is not None and shared > 0 and 2 * shared >= len(best.tokens):
+            chosen = best
+        else:
+            chosen = (best.fork(shared) if best is not None and shared > 0 else None) or PromptCache(self.checkpoints)
+        if chosen in self.histories:
+            self.histories.remove(chosen)
+        self.histories.append(chosen)
+        return chosen
+
+    def trim(self) -> None:
+        """Evict least recently used histories until the pool fits its budget (all but the last)."""
+        while len(self.histories) > 1 and self.nbytes > self.budget_bytes:
+            self.histories.pop(0)
+
+    def reset(self) -> None:
+        self.histories.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return _unique_bytes(a for h in self.histories for a in h.arrays())

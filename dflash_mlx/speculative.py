@@ -4,18 +4,22 @@ Both yield ``Commit`` records, one per step of the target, so that the API layer
 them alike. The speculative cycle (DESIGN.md §3): draft a block in one pass, verify it in one
 target pass that records the rollback tape, accept, roll the caches back to the committed
 prefix, hand the committed tokens' features to the draft.
+
+Both loops dispatch the next step before yielding the current one (one host synchronisation per
+step), and closing either generator undoes the step in flight, so that a consumer that stops
+leaves caches holding exactly the committed tokens but the last (the next step's input).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence, Union
+from typing import Container, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 
 from .block_policy import BlockChooser, FixedBlock
-from .cache import cache_arrays, rollback
+from .cache import cache_arrays, restore, rollback, snapshot
 from .models.dflash import DFlashDraft
 from .models.qwen3_5 import Model as Target
 from .sampling import Sampler, accept, propose
@@ -35,6 +39,10 @@ def _logprobs(logits: mx.array) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
+class Cancelled(Exception):
+    """Raised from an ``on_chunk`` callback to stop a prefill between chunks."""
+
+
 def prefill(
     target: Target,
     prompt: mx.array,
@@ -50,7 +58,8 @@ def prefill(
     Each chunk's tapped features go to ``on_features`` (the draft's context cache), which returns
     the arrays it made; they are evaluated with the chunk, so that memory stays bounded by the
     chunk size and the first draft pass does not pay for the whole prompt's context.
-    ``on_chunk`` runs after each chunk (checkpoints).
+    ``on_chunk(fed)`` runs after each chunk with the count of prompt tokens fed so far
+    (checkpoints; raising ``Cancelled`` there stops between chunks, caches consistent).
     ``split_at`` adds chunk boundaries (positions in ``prompt``) where a checkpoint is wanted.
     """
     if prompt.size == 0:
@@ -64,8 +73,20 @@ def prefill(
         mx.eval(logits, cache_arrays(cache), made or [])
         mx.clear_cache()  # the chunk's activations go back to the system, as mlx-lm's prefill does
         if on_chunk is not None:
-            on_chunk()
+            on_chunk(end)
     return logits[0, -1]
+
+
+class _Budget:
+    """When a generation is over, so that no step is dispatched past its end."""
+
+    def __init__(self, max_tokens: Optional[int], stop_tokens: Container[int]):
+        self.left, self.stop_tokens = max_tokens, stop_tokens
+
+    def spent(self, commit: Commit) -> bool:
+        if self.left is not None:
+            self.left -= len(commit.tokens)
+        return (self.left is not None and self.left <= 0) or any(t in self.stop_tokens for t in commit.tokens)
 
 
 def target_only(
@@ -76,17 +97,48 @@ def target_only(
     cache=None,
     on_chunk=None,
     split_at: Sequence[int] = (),
+    max_tokens: Optional[int] = None,
+    stop_tokens: Container[int] = (),
 ) -> Iterator[Commit]:
     """Ordinary decoding, one token per step: the baseline and the reference.
 
-    As in ``speculative``, a commit's last token is not in the cache yet when it is yielded.
+    As mlx-lm's ``generate_step`` does, step n+1 is dispatched before token n is yielded, so the
+    device works while the consumer handles it. Nothing is dispatched once ``max_tokens`` tokens
+    or a token of ``stop_tokens`` have been committed.
     """
     cache = target.make_cache() if cache is None else cache
+    budget = _Budget(max_tokens, stop_tokens)
     logits = prefill(target, prompt, cache, prefill_step_size, on_chunk=on_chunk, split_at=split_at)
+    token = sampler(logits)
     while True:
-        token = sampler(logits)
-        yield Commit([token.item()], _logprobs(logits)[None])
+        commit = Commit([token.item()], _logprobs(logits)[None])
+        if budget.spent(commit):
+            yield commit
+            return
+        undo = snapshot(cache)
         logits = target.forward(token.reshape(1, 1), cache)[0][0, -1]
+        token = sampler(logits)
+        mx.async_eval(token)  # step n+1 runs while the consumer handles token n
+        try:
+            yield commit
+        except GeneratorExit:
+            restore(cache, undo)
+            raise
+
+
+@dataclass
+class _Cycle:
+    """A dispatched target step (queued with ``mx.async_eval``; nothing read back yet)."""
+
+    block: int
+    logits: mx.array  # [block, V]
+    features: mx.array  # tapped features of the fed tokens
+    next_token: mx.array
+    undo: list  # the target cache's snapshot from before the step
+    handed_off: int = 0  # plain steps whose features reached the draft with this cycle
+    drafted: Optional[mx.array] = None  # the verified proposals (block > 1)
+    accepted: Optional[mx.array] = None
+    shadow: Optional[mx.array] = None  # an unverified draft run beside a plain step
 
 
 def speculative(
@@ -101,6 +153,8 @@ def speculative(
     draft_cache=None,
     on_chunk=None,
     split_at: Sequence[int] = (),
+    max_tokens: Optional[int] = None,
+    stop_tokens: Container[int] = (),
 ) -> Iterator[Commit]:
     """DFlash decoding: each step commits the accepted draft prefix plus one target token.
 
@@ -113,54 +167,74 @@ def speculative(
         if not 1 <= chooser.block <= draft.block_size:
             raise ValueError(f"block_tokens={block_tokens} must be between 1 and the draft's block size {draft.block_size}")
         if chooser.block == 1:  # no draft slot at all: plain decoding
-            yield from target_only(target, prompt, sampler, prefill_step_size, cache, on_chunk, split_at)
+            yield from target_only(target, prompt, sampler, prefill_step_size, cache, on_chunk, split_at, max_tokens, stop_tokens)
             return
     taps = draft.target_layer_ids
     cache = target.make_cache() if cache is None else cache
     draft_cache = draft.make_cache(draft_window) if draft_cache is None else draft_cache
+    pending: List[mx.array] = []
 
     def to_draft(features):
         draft.add_context(features, draft_cache)
         return cache_arrays(draft_cache)
 
-    logits = prefill(target, prompt, cache, prefill_step_size, taps, to_draft, on_chunk, split_at)
-    token = sampler(logits).reshape(1)
-    yield Commit([token.item()], _logprobs(logits)[None])
-    masks = {b: mx.full((b - 1,), draft.mask_token_id, dtype=token.dtype) for b in range(2, draft.block_size + 1)}
-    pending: List[mx.array] = []
-    last, started = None, 0.0  # the previous cycle: reported when this one starts, so its time
-    while True:  # includes the hand-off and whatever the consumer did with its tokens
-        start = time.perf_counter()
-        if last is not None:
-            chooser.observe(seconds=start - started, **last)
-        block, proposals, handed_off = chooser.choose(), [], 0
-        ahead = chooser.shadow_tokens() if block == 1 else 0
-        if pending and (block > 1 or ahead):  # the plain steps' features reach the draft in one batch
+    def hand_off_pending() -> int:
+        """The plain steps' features reach the draft in one batch."""
+        count = len(pending)
+        if pending:
             draft.add_context(mx.concatenate(pending, axis=1), draft_cache)
-            pending, handed_off = [], len(pending)
+            pending.clear()
+        return count
+
+    def dispatch(token: mx.array) -> _Cycle:
+        block = chooser.choose()
+        ahead = chooser.shadow_tokens() if block == 1 else 0
+        handed_off = hand_off_pending() if block > 1 or ahead else 0
+        undo = snapshot(cache)
         if block == 1:  # a plain step; a shadow drafts alongside, unverified (the next tokens grade it)
-            shadow = []
-            if ahead:
-                shadow = [mx.argmax(draft(mx.concatenate([token, masks[ahead + 1]])[None], draft_cache)[0], axis=-1)]
-                mx.async_eval(shadow)  # runs while Python builds the target's step
+            shadow = mx.argmax(draft(mx.concatenate([token, masks[ahead + 1]])[None], draft_cache)[0], axis=-1) if ahead else None
             logits, features = target.forward(token[None], cache, taps)
             next_token = sampler(logits[0, -1])
-            mx.eval(next_token, features, shadow)
-            pending.append(features)
-            n, tokens, proposals = 0, [next_token.item()], shadow[0].tolist() if ahead else []
-        else:
-            draft_logits = draft(mx.concatenate([token, masks[block]])[None], draft_cache)[0]
-            drafted, draft_probs = propose(draft_logits, sampler)
-            mx.async_eval(drafted, draft_probs)  # the draft runs while Python builds the verify graph
-            verify_in = mx.concatenate([token, drafted.astype(token.dtype)])
-            logits, features = target.forward(verify_in[None], cache, taps, record_tape=True)
-            n_accepted, next_token = accept(logits[0], drafted, draft_probs, sampler)
-            mx.eval(n_accepted, next_token, drafted)  # the cycle's one host synchronisation
-            n = n_accepted.item()
-            rollback(cache, fed=block, keep=n + 1)
-            draft.add_context(features[:, : n + 1], draft_cache)
-            tokens = drafted.tolist()[:n] + [next_token.item()]  # evaluated: no slice op, no second sync
-        last = dict(block=block, accepted=n, committed=tokens, proposals=proposals, handed_off=handed_off)
-        started = start
-        yield Commit(tokens, _logprobs(logits[0, : n + 1]), drafted=block - 1, accepted=n)
-        token = next_token.reshape(1)
+            mx.async_eval(next_token, features, *([shadow] if ahead else []))
+            return _Cycle(1, logits[0], features, next_token, undo, handed_off, shadow=shadow)
+        drafted, draft_probs = propose(draft(mx.concatenate([token, masks[block]])[None], draft_cache)[0], sampler)
+        mx.async_eval(drafted, draft_probs)  # the draft runs while Python builds the verify graph
+        verify_in = mx.concatenate([token, drafted.astype(token.dtype)])
+        logits, features = target.forward(verify_in[None], cache, taps, record_tape=True)
+        accepted, next_token = accept(logits[0], drafted, draft_probs, sampler)
+        mx.async_eval(accepted, next_token, drafted)
+        return _Cycle(block, logits[0], features, next_token, undo, handed_off, drafted, accepted)
+
+    def resolve(c: _Cycle) -> Commit:
+        """Read the cycle back (its one host synchronisation), roll back, feed the draft."""
+        if c.block == 1:
+            pending.append(c.features)
+            return Commit([c.next_token.item()], _logprobs(c.logits))
+        n = c.accepted.item()
+        rollback(cache, fed=c.block, keep=n + 1)
+        draft.add_context(c.features[:, : n + 1], draft_cache)
+        tokens = c.drafted.tolist()[:n] + [c.next_token.item()]  # evaluated: no slice op, no second sync
+        return Commit(tokens, _logprobs(c.logits[: n + 1]), drafted=c.block - 1, accepted=n)
+
+    budget = _Budget(max_tokens, stop_tokens)
+    logits = prefill(target, prompt, cache, prefill_step_size, taps, to_draft, on_chunk, split_at)
+    token = sampler(logits).reshape(1)
+    masks = {b: mx.full((b - 1,), draft.mask_token_id, dtype=token.dtype) for b in range(2, draft.block_size + 1)}
+    commit, resolved = Commit([token.item()], _logprobs(logits)[None]), time.perf_counter()
+    while not budget.spent(commit):
+        cycle = dispatch(token)  # queued before the consumer sees the last commit
+        try:
+            yield commit
+        except GeneratorExit:  # the consumer stopped: undo the cycle in flight
+            restore(cache, cycle.undo)
+            hand_off_pending()
+            raise
+        commit = resolve(cycle)
+        # The cycle's cost runs from the previous read-back to this one: it includes building
+        # the graph, the hand-off and whatever the consumer did with the previous tokens.
+        now, started = time.perf_counter(), resolved
+        resolved = now
+        chooser.observe(block=cycle.block, accepted=commit.accepted, seconds=now - started, committed=commit.tokens,
+                        proposals=cycle.shadow.tolist() if cycle.shadow is not None else [], handed_off=cycle.handed_off)
+        token = cycle.next_token.reshape(1)
+    yield commit

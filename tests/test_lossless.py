@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import List
 
 import mlx.core as mx
 import numpy as np
@@ -172,18 +173,44 @@ def assert_caches_hold_the_committed_tokens(target, cache, prompt, committed, to
                                    err_msg=f"{label}: {name}")
 
 
+def _stop_after(stream, cycles: int) -> List[int]:
+    """Take ``cycles + 1`` commits, then close the stream (a consumer that stops); the tokens."""
+    committed = []
+    for i, commit in enumerate(stream):
+        committed.extend(commit.tokens)
+        if i == cycles:
+            break
+    stream.close()
+    return committed
+
+
 @pytest.mark.parametrize("block", [4, 8])
 def test_rollback_leaves_the_caches_of_the_committed_tokens(target, prompts, references, block):
     prompt, expected = prompts[3], references[3]
     oracle = OracleDraft(prompt.tolist() + expected, block, list(range(block)) * 2)
+    for cycles in range(2 * block + 1):
+        cache = target.make_cache()
+        committed = _stop_after(speculative(target, oracle, prompt, GREEDY, block_tokens=block, cache=cache), cycles)
+        # Everything committed except the newest token (the next cycle's input) is in the cache:
+        # the cycle dispatched before the last yield was undone when the stream closed.
+        assert_caches_hold_the_committed_tokens(target, cache, prompt, committed[:-1], 2e-5, f"cycle {cycles}")
+
+
+@pytest.mark.parametrize("loop", ["speculative", "target-only"])
+def test_the_next_step_is_dispatched_before_a_commit_is_yielded(target, draft, prompts, loop):
+    """The device never waits on the consumer: at each yield the next step is in the cache already."""
     cache = target.make_cache()
-    committed = []
-    for i, commit in enumerate(speculative(target, oracle, prompt, GREEDY, block_tokens=block, cache=cache)):
-        committed.extend(commit.tokens)
-        # Everything committed except the newest token (the next cycle's input) is in the cache.
-        assert_caches_hold_the_committed_tokens(target, cache, prompt, committed[:-1], 2e-5, f"cycle {i}")
-        if i == 2 * block:
+    stream = (speculative(target, draft, prompts[0], GREEDY, block_tokens=4, cache=cache) if loop == "speculative"
+              else target_only(target, prompts[0], GREEDY, cache=cache))
+    committed = 0
+    for i, commit in enumerate(stream):
+        committed += len(commit.tokens)
+        in_flight = 4 if loop == "speculative" else 1  # the fed block: last token + 3 proposals
+        assert cache[0].offset == prompts[0].size + committed - 1 + in_flight, f"step {i}"
+        if i == 6:
             break
+    stream.close()
+    assert cache[0].offset == prompts[0].size + committed - 1
 
 
 def _recurrence_inputs(seed=0, T=8, B=1, Hk=2, Hv=4, Dk=32, Dv=16):
@@ -319,22 +346,22 @@ def test_every_acceptance_length_with_changing_blocks_and_shadows(target, prompt
 def test_rollback_state_with_changing_blocks(target, prompts, references):
     prompt, expected = prompts[3], references[3]
     oracle = OracleDraft(prompt.tolist() + expected, 8, [0, 3, 7, 1, 5, 2, 6, 4])
-    cache, committed = target.make_cache(), []
-    blocks = ScriptedBlock(changing_blocks(8))
-    for i, commit in enumerate(speculative(target, oracle, prompt, GREEDY, block_tokens=blocks, cache=cache)):
-        committed.extend(commit.tokens)
-        assert_caches_hold_the_committed_tokens(target, cache, prompt, committed[:-1], 2e-5, f"cycle {i}")
-        if i == 30:
-            break
+    for cycles in range(0, 31, 3):
+        cache = target.make_cache()
+        blocks = ScriptedBlock(changing_blocks(8))
+        committed = _stop_after(speculative(target, oracle, prompt, GREEDY, block_tokens=blocks, cache=cache), cycles)
+        assert_caches_hold_the_committed_tokens(target, cache, prompt, committed[:-1], 2e-5, f"cycle {cycles}")
 
 
 def test_the_draft_sees_every_committed_token_across_plain_steps(target, draft, prompts):
-    """After each drafting cycle, the draft's context cache covers exactly the target's cache."""
-    cache, draft_cache = target.make_cache(), draft.make_cache()
-    blocks = ScriptedBlock(changing_blocks(16))
-    stream = speculative(target, draft, prompts[0], GREEDY, block_tokens=blocks, cache=cache, draft_cache=draft_cache)
-    for i, commit in enumerate(stream):
-        if commit.drafted:
-            assert all(c.offset == cache[0].offset for c in draft_cache), f"cycle {i}"
-        if i == 40:
-            break
+    """Wherever a stream stops (plain steps pending or not), the draft's context cache covers
+    exactly the target's cache."""
+    for cycles in range(0, 41, 4):
+        cache, draft_cache = target.make_cache(), draft.make_cache()
+        blocks = ScriptedBlock(changing_blocks(16))
+        stream = speculative(target, draft, prompts[0], GREEDY, block_tokens=blocks, cache=cache, draft_cache=draft_cache)
+        committed = _stop_after(stream, cycles)
+        assert cache[0].offset == prompts[0].size + len(committed) - 1, f"cycle {cycles}"
+        assert all(c.offset == cache[0].offset for c in draft_cache), f"cycle {cycles}"
+
+

@@ -48,10 +48,11 @@ def test_shared_context_restarts_from_a_checkpoint(pair):
     cache = PromptCache()
     context = ids(3, 40)
     run(model, tokenizer, context + ids(4, 5), prompt_cache=cache, prefill_step_size=16)
-    assert {16, 32, 45} <= set(cache.checkpoints)
+    # 45 tokens, 8 checkpoints: every ceil(45 / 8) = 6 tokens, and before the last token.
+    assert set(cache.checkpoints) == {6, 12, 18, 24, 30, 36, 42, 44}
     question = context + ids(5, 9)
     out, last = run(model, tokenizer, question, prompt_cache=cache, prefill_step_size=16)
-    assert last.cached_prompt_tokens == 32  # the last checkpoint inside the 40 shared tokens
+    assert last.cached_prompt_tokens == 36  # the last checkpoint inside the 40 shared tokens
     fresh, _ = run(model, tokenizer, question)
     assert_lossless(model.target, mx.array(question), fresh, out)
 
@@ -66,7 +67,7 @@ def test_an_interrupted_generation_leaves_a_usable_cache(pair):
     stream.close()  # e.g. Ctrl-C or a dropped client
     follow_up = prompt + ids(7, 4)
     out, last = run(model, tokenizer, follow_up, prompt_cache=cache, block_tokens=8)
-    assert last.cached_prompt_tokens == len(prompt)
+    assert last.cached_prompt_tokens == len(prompt) - 1  # the checkpoint before the prompt's last token
     fresh, _ = run(model, tokenizer, follow_up, block_tokens=8)
     assert_lossless(model.target, mx.array(follow_up), fresh, out)
 

@@ -152,6 +152,21 @@ class ContextCache:
         self.offset = position
         return True
 
+    def fork(self, position: int) -> Optional["ContextCache"]:
+        """A copy holding the context before ``position`` (new arrays: the buffer is written in
+        place); None if that part was already dropped."""
+        new = ContextCache(self.window)
+        if self.reads_no_context:
+            new.offset = new.start = position
+            return new if 0 <= position <= self.offset else None
+        if not self.start <= position <= self.offset:
+            return None
+        used = position - self.start
+        if used:
+            new.keys, new.values = self.keys[..., :used, :], self.values[..., :used, :]
+        new.start, new.offset = self.start, position
+        return new
+
     def advance(self, count: int) -> None:
         """Move on ``count`` positions without storing them (block-only layers)."""
         self.offset += count
