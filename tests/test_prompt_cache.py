@@ -8,7 +8,7 @@ import pytest
 
 from dflash_mlx import stream_generate, tiny
 from dflash_mlx.api import load
-from dflash_mlx.prompt_cache import PromptCache
+from dflash_mlx.prompt_cache import PromptCache, PromptCachePool, spread
 from tests.test_lossless import assert_lossless
 
 
@@ -80,3 +80,139 @@ def test_a_different_prompt_or_model_starts_over(pair):
     assert last.cached_prompt_tokens == 0
     _, last = run(model, tokenizer, ids(9, 20) + [1, 2], prompt_cache=cache, use_draft=False)
     assert last.cached_prompt_tokens == 0  # the cache was the speculative pair's, with a draft cache
+
+
+@pytest.mark.parametrize("length", [2048, 8192])
+def test_an_edit_anywhere_reuses_all_but_at_most_l_over_c_tokens(pair, length):
+    """The editor case: one token changed at 90%, 50% and 10% of a long prompt (in that order, so
+    that one prefill serves the three: each edit keeps the checkpoints before it)."""
+    model, tokenizer = pair
+    prompt, cache = ids(10, length), PromptCache()
+    run(model, tokenizer, prompt, prompt_cache=cache, max_tokens=1, use_draft=False)
+    assert len(cache.checkpoints) <= cache.spread + len(cache.keep)
+    for share in (0.9, 0.5, 0.1):
+        edit = int(share * length)
+        edited = prompt[:edit] + [(prompt[edit] + 1) % 500] + prompt[edit + 1 :]
+        if share == 0.9:  # end to end: the request reports what it reused
+            _, last = run(model, tokenizer, edited, prompt_cache=cache, max_tokens=1, use_draft=False)
+            reused = last.cached_prompt_tokens
+        else:
+            reused = cache.prepare(model.target, None, edited)
+        assert edit - length / cache.spread <= reused <= edit, share
+
+
+def test_checkpoints_are_thinned_to_the_smallest_largest_gap():
+    # Candidates every 100 tokens up to 1600 and at 1550 (fixed), room for 5: gaps of at most 350
+    # (300, 600, 900, 1200, 1550).
+    chosen = spread([*range(100, 1700, 100), 1550], {1550}, 1700, 5)
+    assert len(chosen) <= 5 and 1550 in chosen
+    edges = [0, *sorted(chosen), 1700]
+    assert max(b - a for a, b in zip(edges, edges[1:])) <= 350
+    assert spread([10, 20], set(), 30, 5) == {10, 20}  # within budget: all kept
+
+
+def test_a_growing_history_keeps_its_checkpoints_within_budget(pair):
+    """Chat turns add checkpoints every time; the history thins them and stays lossless."""
+    model, tokenizer = pair
+    cache, prompt = PromptCache(checkpoints=4), ids(11, 40)
+    for turn in range(4):
+        out, last = run(model, tokenizer, prompt, prompt_cache=cache, max_tokens=6, block_tokens=4)
+        assert len(cache.checkpoints) <= cache.spread + len(cache.keep), turn
+        fresh, _ = run(model, tokenizer, prompt, max_tokens=6, block_tokens=4)
+        assert out == fresh, turn
+        prompt = prompt + out + ids(20 + turn, 30)
+    edges = [0, *sorted(cache.checkpoints), len(cache.tokens)]
+    assert max(b - a for a, b in zip(edges, edges[1:])) < len(cache.tokens) / 2
+
+
+def test_two_alternating_clients_both_reuse_their_caches(pair):
+    model, tokenizer = pair
+    pool = PromptCachePool(budget_bytes=1 << 30)
+    chat, editor = ids(12, 60), ids(13, 70)
+    for round in range(3):
+        for name in ("chat", "editor"):
+            prompt = chat if name == "chat" else editor
+            out, last = run(model, tokenizer, prompt, prompt_cache=pool, max_tokens=5, block_tokens=4)
+            if round:
+                assert last.cached_prompt_tokens >= len(prompt) - 40, (round, name)
+            fresh, _ = run(model, tokenizer, prompt, max_tokens=5, block_tokens=4)
+            assert out == fresh
+            grown = prompt + out + ids(30 + round, 20)
+            chat, editor = (grown, editor) if name == "chat" else (chat, grown)
+    assert len(pool.histories) == 2
+
+
+def test_a_prompt_sharing_only_a_system_prompt_forks_the_history(pair):
+    model, tokenizer = pair
+    pool = PromptCachePool(budget_bytes=1 << 30)
+    system = ids(14, 32)
+    first = system + ids(15, 64)
+    run(model, tokenizer, first, prompt_cache=pool, max_tokens=3, block_tokens=4)
+    second = system + ids(16, 64)
+    out, last = run(model, tokenizer, second, prompt_cache=pool, max_tokens=3, block_tokens=4)
+    assert 0 < last.cached_prompt_tokens <= 32 and len(pool.histories) == 2
+    fresh, _ = run(model, tokenizer, second, max_tokens=3, block_tokens=4)
+    assert out == fresh
+    _, again = run(model, tokenizer, first, prompt_cache=pool, max_tokens=3, block_tokens=4)
+    assert again.cached_prompt_tokens == len(first) - 1  # the first history survived the fork
+
+
+def test_the_pool_evicts_least_recently_used_histories_over_budget(pair):
+    model, tokenizer = pair
+    pool = PromptCachePool(budget_bytes=1 << 30)
+    prompts = [ids(40 + i, 50) for i in range(3)]
+    for p in prompts:
+        run(model, tokenizer, p, prompt_cache=pool, max_tokens=2, block_tokens=4)
+    assert len(pool.histories) == 3
+    one = pool.histories[-1].nbytes
+    assert one > 0 and pool.nbytes >= 2 * one
+    pool.budget_bytes = int(2.5 * one)
+    run(model, tokenizer, prompts[0] + [1, 2, 3], prompt_cache=pool, max_tokens=2, block_tokens=4)  # prompts[0]: most recent
+    assert pool.nbytes <= pool.budget_bytes and len(pool.histories) == 2
+    assert pool.histories[-1].tokens[: len(prompts[0])] == prompts[0]
+    assert pool.histories[0].tokens[:50] == prompts[2]  # prompts[1] was the least recently used
+
+
+def test_a_cancelled_prefill_stops_between_chunks_and_leaves_a_usable_cache(pair):
+    model, tokenizer = pair
+    cache, prompt, chunks = PromptCache(), ids(17, 300), []
+
+    def cancel_after_two():
+        chunks.append(len(cache.tokens))
+        return len(chunks) >= 2
+
+    out = list(stream_generate(model, tokenizer, prompt, max_tokens=4, prompt_cache=cache, prefill_step_size=32,
+                               cancelled=cancel_after_two, block_tokens=4))
+    assert out == [] and len(cache.tokens) == chunks[-1] < 100  # stopped after the second chunk
+    got, last = run(model, tokenizer, prompt, prompt_cache=cache, max_tokens=6, block_tokens=4)
+    assert last.cached_prompt_tokens == chunks[-1]  # the next request goes on from there
+    fresh, _ = run(model, tokenizer, prompt, max_tokens=6, block_tokens=4)
+    assert got == fresh
+
+
+def test_an_interrupt_between_verify_and_rollback_falls_back_to_a_checkpoint(pair, monkeypatch):
+    """Ctrl-C inside a cycle leaves the live caches ahead of the recorded tokens: the next request
+    must not trust them, and stays lossless."""
+    import dflash_mlx.speculative as speculative_module
+
+    model, tokenizer = pair
+    cache, prompt = PromptCache(), ids(18, 40)
+    calls = []
+    real_rollback = speculative_module.rollback
+
+    def interrupted_rollback(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_rollback(*args, **kwargs)
+
+    monkeypatch.setattr(speculative_module, "rollback", interrupted_rollback)
+    with pytest.raises(KeyboardInterrupt):
+        run(model, tokenizer, prompt, prompt_cache=cache, max_tokens=40, block_tokens=8)
+    monkeypatch.setattr(speculative_module, "rollback", real_rollback)
+    assert cache.cache[0].offset != len(cache.tokens)  # the verify pass was fed, never rolled back
+    follow_up = cache.tokens + ids(19, 5)
+    got, last = run(model, tokenizer, follow_up, prompt_cache=cache, max_tokens=8, block_tokens=8)
+    assert last.cached_prompt_tokens == len(prompt) - 1  # the checkpoint, not the live state
+    fresh, _ = run(model, tokenizer, follow_up, max_tokens=8, block_tokens=8)
+    assert got == fresh
