@@ -147,3 +147,28 @@ def test_bad_checkpoints_are_clear_errors(hf_target_dir, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
     with pytest.raises(CheckpointError, match="not a Qwen3.5"):
         load_target(tmp_path)
+
+
+def test_only_decode_and_verify_lengths_are_compiled(hf_target_dir):
+    """Compiled graphs are traced per length: prefill chunks (any length) must run uncompiled, so
+    that the traces stay bounded by the verify lengths, and the output does not depend on it."""
+    from dflash_mlx.models.qwen3_5 import COMPILED_TOKENS
+
+    target, _ = load_target(hf_target_dir)
+    asked = []
+    for layer in target.layers:
+        pieces = layer._pieces
+        object.__setattr__(layer, "_pieces", lambda mode, pieces=pieces: asked.append(mode) or pieces(mode))
+    ids = mx.array(np.random.default_rng(0).integers(0, 500, 80), dtype=mx.int32)
+    for length in (17, 23, 40, 80):
+        asked.clear()
+        target(ids[None, :length])
+        assert set(asked) == {"metal"}, length  # "metal": the plain functions, nothing traced
+    for length in (1, 4, COMPILED_TOKENS):
+        asked.clear()
+        target(ids[None, :length])
+        assert "metal" not in asked and set(asked) <= {"attention", "chunked", "reference"}, length
+    cache = target.make_cache()
+    target(ids[None, :40], cache)
+    stepped = target(ids[None, 40:41], cache)
+    np.testing.assert_allclose(np.array(stepped[0, -1]), np.array(target(ids[None, :41])[0, -1]), atol=1e-4)

@@ -19,6 +19,9 @@ from .. import kernels, quantized
 from ..cache import GatedDeltaCache, GatedDeltaTape
 from .layers import MLP
 
+# The longest input a layer runs compiled: every decode and verify pass (blocks of up to 16).
+COMPILED_TOKENS = 16
+
 
 @dataclass
 class ModelArgs:
@@ -259,20 +262,32 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = ZeroCentredRMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = ZeroCentredRMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = mlp if mlp is not None else dense_mlp(args)  # a mixture of experts in qwen3_5_moe
-        # Compiled forms per recurrence mode (see _pieces), and whether a quantized matmul of the
-        # layer may run the Metal kernel (Model.use_quantized_matmuls): plain attributes.
+        # Compiled forms per mode (see _pieces), whether a quantized matmul of the layer may run
+        # the Metal kernel (quantized.route_layers), and the mode those settle on: attributes,
+        # resolved when the model is set up (Model.use_recurrence, use_quantized_matmuls).
         object.__setattr__(self, "_compiled", {})
         object.__setattr__(self, "eager", False)
+        self.resolve_mode()
+
+    def resolve_mode(self) -> None:
+        """``metal`` where a kernel runs inside (nothing compiled), else the recurrence variant
+        for Gated DeltaNet (compiled graphs embed the one they traced) or ``attention``."""
+        metal = self.eager or (self.is_linear and self.linear_attn.recurrence_mode() == "metal")
+        mode = "metal" if metal else self.linear_attn.recurrence_mode() if self.is_linear else "attention"
+        object.__setattr__(self, "mode", mode)
 
     def __call__(self, x, cache=None, record_tape: bool = False):
+        # Compiled graphs are traced per input shape: only decode and verify lengths (at most
+        # COMPILED_TOKENS) are compiled, so prefill chunks of any length add no trace. A chunk
+        # that long is matmul-bound, where compiling saves nothing.
+        mode = self.mode if x.shape[1] <= COMPILED_TOKENS else "metal"
         if self.is_linear:
             mixer = self.linear_attn
             conv_state, start_state = mixer.states(x, cache)
-            whole = self._pieces("metal" if self.eager else mixer.recurrence_mode())
-            out, *carry = whole(x, conv_state, start_state)
+            out, *carry = self._pieces(mode)(x, conv_state, start_state)
             mixer.update_cache(cache, start_state, carry, record_tape)
             return out
-        before, after = self._pieces("metal" if self.eager else "attention")
+        before, after = self._pieces(mode)
         q, k, v, gate = before(x, mx.array(0 if cache is None else cache.offset))
         return after(x, self.self_attn.attend(q, k, v, cache), gate)
 
@@ -281,9 +296,9 @@ class DecoderLayer(nn.Module):
         around the cache for attention (its key count grows every step).
 
         A decode step of a small model on MLX's CPU backend costs per dispatched operation;
-        compiled, the elementwise work fuses and Python builds the graph once per shape. With
-        the Metal kernels the layer runs uncompiled. Compiled graphs embed the recurrence variant
-        they traced, hence one per mode. ``metal``: a kernel runs inside, nothing is compiled."""
+        compiled, the elementwise work fuses and Python builds the graph once per shape.
+        ``metal``: the plain functions, uncompiled (a kernel may run inside, or the input is a
+        prefill chunk)."""
         if mode not in self._compiled:
             if mode == "metal":
                 self._compiled[mode] = self._linear_layer if self.is_linear else (
@@ -371,12 +386,15 @@ class Model(nn.Module):
         for layer in self.layers:
             if layer.is_linear:
                 object.__setattr__(layer.linear_attn, "recurrence", recurrence)
+            layer.resolve_mode()
         return self
 
     def use_quantized_matmuls(self, matmuls: Optional[quantized.QuantizedMatmuls]) -> "Model":
         """Route every quantized layer through ``matmuls`` (the verify kernel on Metal); the layers
         that may then run the kernel are no longer compiled."""
         quantized.route_layers(self, self.layers, matmuls)
+        for layer in self.layers:
+            layer.resolve_mode()
         return self
 
     def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
