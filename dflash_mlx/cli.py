@@ -316,18 +316,21 @@ def serve(
     context_size: Annotated[Optional[int], typer.Option("--context-size", help="Context limit in tokens, prompt and answer together: longer prompts are refused (400), answers stop where the context is full. Default: the target's max_position_embeddings.")] = None,
     model_name: Annotated[Optional[str], typer.Option("--model-name", help="Model id clients ask for (default: the target folder's name).")] = None,
     max_request_bytes: Annotated[int, typer.Option("--max-request-bytes", help="Reject request bodies larger than this.")] = 8 << 20,
+    prompt_cache_gb: Annotated[float, typer.Option("--prompt-cache-gb", help="Memory for prefix caches kept between requests (GB): several token histories (a chat, an editor's completions) with their Gated DeltaNet checkpoints; the least recently used go first. The most recent one is always kept.")] = 4.0,
 ) -> None:
     """Serve an OpenAI-compatible API (chat, completions with FIM, models, health, metrics)."""
     import uvicorn
 
     from .server import create_app
 
+    if prompt_cache_gb < 0:
+        _fail(f"--prompt-cache-gb must not be negative (got {prompt_cache_gb})")
     loaded, tokenizer = _load(model, draft, draft_quant)
     _check_block_tokens((loaded, tokenizer), block_tokens)
     name = model_name or Path(str(loaded.target_path)).name
     app_ = create_app(
         loaded, tokenizer, name, api_key=api_key, max_tokens_cap=max_tokens, context_limit=context_size,
-        max_request_bytes=max_request_bytes, block_tokens=block_tokens,
+        max_request_bytes=max_request_bytes, block_tokens=block_tokens, prompt_cache_bytes=int(prompt_cache_gb * 1e9),
     )
     typer.secho(f"serving {name!r} on http://{host}:{port}/v1", err=True)
     # Ctrl-C: uvicorn closes the connections, which cancels their generations at the next step;

@@ -64,11 +64,12 @@ def test_chat_turns_reuse_the_cache_and_reset_forgets(pair):
     tokens, new1, cached = turn(child, "def fibonacci(n):")
     assert cached == 0 and 0 < tokens <= 20
     tokens, new2, cached2 = turn(child, "class Stack:")
-    # Turn 2 prefills only what is new: the first turn up to its generation prompt (which the
-    # template renders differently in history) comes from the cache.
+    # Turn 2 prefills only what is new: at least the first turn up to its generation prompt (the
+    # template may render the answer differently in history) comes from the cache.
     tokenizer = load(str(pair[0]))[1]
     first = [{"role": "user", "content": "def fibonacci(n):"}]
-    assert cached2 == len(tokenizer.apply_chat_template(first, add_generation_prompt=False)) > 0
+    prompt1 = tokenizer.apply_chat_template(first, add_generation_prompt=True)
+    assert len(tokenizer.apply_chat_template(first, add_generation_prompt=False)) <= cached2 <= len(prompt1) + tokens
     child.sendline("/stats")
     child.expect(r"2 turns, \d+ tokens")
     child.expect(">>> ")

@@ -173,7 +173,7 @@ def assert_caches_hold_the_committed_tokens(target, cache, prompt, committed, to
                                    err_msg=f"{label}: {name}")
 
 
-def _stop_after(stream, cycles: int) -> List[int]:
+def stop_after(stream, cycles: int) -> List[int]:
     """Take ``cycles + 1`` commits, then close the stream (a consumer that stops); the tokens."""
     committed = []
     for i, commit in enumerate(stream):
@@ -190,7 +190,7 @@ def test_rollback_leaves_the_caches_of_the_committed_tokens(target, prompts, ref
     oracle = OracleDraft(prompt.tolist() + expected, block, list(range(block)) * 2)
     for cycles in range(2 * block + 1):
         cache = target.make_cache()
-        committed = _stop_after(speculative(target, oracle, prompt, GREEDY, block_tokens=block, cache=cache), cycles)
+        committed = stop_after(speculative(target, oracle, prompt, GREEDY, block_tokens=block, cache=cache), cycles)
         # Everything committed except the newest token (the next cycle's input) is in the cache:
         # the cycle dispatched before the last yield was undone when the stream closed.
         assert_caches_hold_the_committed_tokens(target, cache, prompt, committed[:-1], 2e-5, f"cycle {cycles}")
@@ -349,7 +349,7 @@ def test_rollback_state_with_changing_blocks(target, prompts, references):
     for cycles in range(0, 31, 3):
         cache = target.make_cache()
         blocks = ScriptedBlock(changing_blocks(8))
-        committed = _stop_after(speculative(target, oracle, prompt, GREEDY, block_tokens=blocks, cache=cache), cycles)
+        committed = stop_after(speculative(target, oracle, prompt, GREEDY, block_tokens=blocks, cache=cache), cycles)
         assert_caches_hold_the_committed_tokens(target, cache, prompt, committed[:-1], 2e-5, f"cycle {cycles}")
 
 
@@ -360,7 +360,7 @@ def test_the_draft_sees_every_committed_token_across_plain_steps(target, draft, 
         cache, draft_cache = target.make_cache(), draft.make_cache()
         blocks = ScriptedBlock(changing_blocks(16))
         stream = speculative(target, draft, prompts[0], GREEDY, block_tokens=blocks, cache=cache, draft_cache=draft_cache)
-        committed = _stop_after(stream, cycles)
+        committed = stop_after(stream, cycles)
         assert cache[0].offset == prompts[0].size + len(committed) - 1, f"cycle {cycles}"
         assert all(c.offset == cache[0].offset for c in draft_cache), f"cycle {cycles}"
 

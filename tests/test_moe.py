@@ -18,6 +18,7 @@ from tests.conftest import VOCAB, make_draft, make_hf_moe_target, random_prompts
 from tests.test_lossless import (
     OracleDraft,
     assert_caches_hold_the_committed_tokens,
+    stop_after,
     assert_lossless,
     take,
 )
@@ -191,14 +192,17 @@ def test_moe_every_acceptance_length_and_rollback(moe, prompts, block):
         expected, _ = take(target_only(target, prompt, GREEDY), n)
         schedule = list(range(block))[k % block :] + list(range(block))[: k % block]
         oracle = OracleDraft(prompt.tolist() + expected, block, schedule)
-        cache, committed, commits = target.make_cache(), [], []
-        for commit in speculative(target, oracle, prompt, GREEDY, block_tokens=block, cache=cache):
+        committed, commits = [], []
+        for commit in speculative(target, oracle, prompt, GREEDY, block_tokens=block):
             commits.append(commit)
             committed.extend(commit.tokens)
-            if k == 0:
-                assert_caches_hold_the_committed_tokens(target, cache, prompt, committed[:-1], 2e-5, f"cycle {len(commits)}")
             if len(committed) >= n:
                 break
+        if k == 0:  # streams stopped after a short, a middle and a long acceptance
+            for cycles in sorted({1, block // 2, block}):
+                cache = target.make_cache()
+                stopped = stop_after(speculative(target, oracle, prompt, GREEDY, block_tokens=block, cache=cache), cycles)
+                assert_caches_hold_the_committed_tokens(target, cache, prompt, stopped[:-1], 2e-5, f"cycle {cycles}")
         assert_lossless(target, prompt, expected[:n], committed[:n])
         seen.update(c.accepted for c in commits[1:])
     assert seen == set(range(block))

@@ -163,6 +163,14 @@ def test_metrics_show_the_block_sizes_in_use(client, server):
     assert sizes and set(sizes) <= set(range(1, 17)) and sum(sizes.values()) >= 1
 
 
+def test_metrics_account_for_the_prompt_cache(client, server):
+    chat(client, "def fibonacci(n):", max_tokens=4)
+    values = {l.split("{")[0]: float(l.split()[-1]) for l in httpx.get(f"{server}/metrics").text.splitlines()
+              if l.startswith("dflash_prompt_cache")}
+    assert values["dflash_prompt_cache_bytes"] > 0 and values["dflash_prompt_cache_histories"] >= 1
+    assert values["dflash_prompt_cache_budget_bytes"] == 4e9  # the --prompt-cache-gb default
+
+
 def test_streaming_chat_matches_non_streaming(client):
     whole = chat(client, "class Stack:", max_tokens=20).choices[0].message.content
     chunks = list(chat(client, "class Stack:", max_tokens=20, stream=True, stream_options={"include_usage": True}))
@@ -189,7 +197,7 @@ def test_tools_are_rendered_and_calls_parsed(client, local):
     without = chat(client, "weather in Paris?")
     assert with_tools.usage.prompt_tokens > without.usage.prompt_tokens + 20  # the tool schema is in the prompt
     # The parser the server applies to the model's output (mlx-lm's qwen3_coder parser).
-    from dflash_mlx.server import _Reply
+    from dflash_mlx.server.openai import _Reply
 
     _, tokenizer = local
     output = "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"

@@ -1,0 +1,136 @@
+"""The app: one engine, the protocols' routers, and what they share (errors, API key, body limit,
+health, metrics)."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Optional, Union
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..api import DFlashModel
+from . import openai
+from .engine import Engine, current_engine
+from .errors import APIError, error_body
+
+
+class BodyLimit:
+    """Refuses request bodies over ``limit`` bytes with 413, whether the client announces the size
+    (Content-Length) or streams it chunked: the body is counted as it arrives."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    def _refusal(self):
+        return JSONResponse(error_body(BodyTooLarge(self.limit).detail, "invalid_request_error", code="request_too_large"),
+                            status_code=413)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            return await self._refusal()(scope, receive, send)
+        received = 0
+        started = False
+
+        async def counted_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise BodyTooLarge(self.limit)
+            return message
+
+        async def tracked_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, tracked_send)
+        except BodyTooLarge:  # read outside FastAPI's body parsing, which answers it itself
+            if not started:
+                await self._refusal()(scope, receive, send)
+
+
+class BodyTooLarge(HTTPException):
+    """A streamed body went over the limit. Raised from inside the body read: FastAPI passes an
+    HTTPException from there through to the handlers, which answer 413 like the announced case."""
+
+    def __init__(self, limit: int):
+        super().__init__(status_code=413, detail=f"request body larger than {limit} bytes")
+
+
+async def authorize(request: Request) -> None:
+    """The API key, when the server has one (compared in constant time: no timing oracle)."""
+    expected = request.app.state.authorization
+    if expected is None:
+        return
+    if not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
+        raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)", "authentication_error", code="invalid_api_key")
+
+
+def _add_error_handlers(app: FastAPI, engine: Engine) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_, e: APIError):
+        engine.metrics.count("errors")
+        return JSONResponse(error_body(e.message, e.kind, e.param, e.code), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_, e: RequestValidationError):
+        engine.metrics.count("errors")
+        first = e.errors()[0] if e.errors() else {}
+        if first.get("type") == "json_invalid":
+            message = f"malformed JSON body: {(first.get('ctx') or {}).get('error', 'cannot parse')}"
+            return JSONResponse(error_body(message, "invalid_request_error"), status_code=400)
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
+        return JSONResponse(error_body(message, "invalid_request_error", where or None), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, e: StarletteHTTPException):
+        code = "request_too_large" if isinstance(e, BodyTooLarge) else None
+        return JSONResponse(error_body(str(e.detail), "invalid_request_error", code=code), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _crash(_, e: Exception):
+        engine.metrics.count("errors")
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"), status_code=500)
+
+
+async def health(engine: Engine = Depends(current_engine)):
+    return {"status": "ok", "model": engine.name, "queue_depth": engine.metrics.queued}
+
+
+async def metrics(engine: Engine = Depends(current_engine)):
+    return PlainTextResponse(engine.metrics.prometheus(engine.name, engine.prompt_caches.budget_bytes))
+
+
+def create_app(
+    model: DFlashModel,
+    tokenizer,
+    model_name: str,
+    api_key: Optional[str] = None,
+    max_tokens_cap: int = 4096,
+    context_limit: Optional[int] = None,
+    max_request_bytes: int = 8 << 20,
+    block_tokens: Union[None, int, str] = "auto",
+    prompt_cache_bytes: int = 4 << 30,
+) -> FastAPI:
+    """The server's app. ``context_limit`` defaults to the target's ``max_position_embeddings``;
+    ``prompt_cache_bytes`` bounds the prefix caches kept between requests."""
+    engine = Engine(model, tokenizer, model_name, context_limit, max_tokens_cap, block_tokens, prompt_cache_bytes)
+    app = FastAPI(title="dflash-mlx", description="OpenAI-compatible API with DFlash speculative decoding.")
+    app.state.engine = engine
+    app.state.authorization = f"Bearer {api_key}".encode() if api_key is not None else None
+    _add_error_handlers(app, engine)
+    app.add_middleware(BodyLimit, limit=max_request_bytes)
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"], response_class=PlainTextResponse)
+    app.include_router(openai.router, dependencies=[Depends(authorize)])
+    return app

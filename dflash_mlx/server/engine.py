@@ -1,0 +1,162 @@
+"""The generation engine behind every protocol: one generation at a time, in a worker thread.
+
+The worker owns the prompt caches (a ``PromptCachePool``: editors resend the same long context,
+chat clients and completion clients alternate), so nothing there needs a lock. A job is
+cancelled by setting its event: between prefill chunks and at the next committed step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Union
+
+from starlette.requests import Request
+
+from ..api import DFlashModel, GenerationResponse, RunTotals, stream_generate
+from ..prompt_cache import PromptCachePool
+
+LOG = logging.getLogger("dflash_mlx.server")
+
+
+def model_context_length(model: DFlashModel) -> Optional[int]:
+    """The target's trained context (``max_position_embeddings`` of its config), if it says."""
+    from ..loading import read_config
+
+    if model.target_path is None:
+        return None
+    config = read_config(model.target_path)
+    value = (config.get("text_config") or config).get("max_position_embeddings", config.get("max_position_embeddings"))
+    return int(value) if value else None
+
+
+class ContextFull(ValueError):
+    """A prompt that leaves no room for an answer within the context limit."""
+
+
+@dataclass
+class Metrics:
+    """What /metrics reports: finished generations plus the server's own counters."""
+
+    totals: RunTotals = field(default_factory=RunTotals)
+    errors: int = 0
+    cancelled: int = 0
+    queued: int = 0
+    last_tps: float = 0.0
+    prompt_cache_bytes: int = 0  # measured by the worker after each generation
+    prompt_cache_histories: int = 0
+    started: float = field(default_factory=time.time)
+    # The event loop and the worker thread both count: every update holds this lock.
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def count(self, name: str, delta: int = 1) -> None:
+        with self.lock:
+            setattr(self, name, getattr(self, name) + delta)
+
+    def add(self, last: GenerationResponse) -> None:
+        with self.lock:
+            self.totals.add(last)
+            self.last_tps = last.generation_tps
+
+    def prometheus(self, model: str, prompt_cache_budget: int) -> str:
+        t = self.totals
+        rows = [
+            ("dflash_requests_total", "counter", "Completed generation requests", t.runs),
+            ("dflash_request_errors_total", "counter", "Requests answered with an error", self.errors),
+            ("dflash_requests_cancelled_total", "counter", "Generations cancelled by a disconnect", self.cancelled),
+            ("dflash_queue_depth", "gauge", "Generations waiting or running", self.queued),
+            ("dflash_prompt_tokens_total", "counter", "Prompt tokens received", t.prompt_tokens),
+            ("dflash_cached_prompt_tokens_total", "counter", "Prompt tokens reused from the prefix cache", t.cached_prompt_tokens),
+            ("dflash_prompt_cache_bytes", "gauge", "Memory held by the prefix cache (caches and checkpoints)", self.prompt_cache_bytes),
+            ("dflash_prompt_cache_budget_bytes", "gauge", "The prefix cache's memory budget (--prompt-cache-gb)", prompt_cache_budget),
+            ("dflash_prompt_cache_histories", "gauge", "Token histories the prefix cache keeps", self.prompt_cache_histories),
+            ("dflash_generated_tokens_total", "counter", "Tokens generated", t.tokens),
+            ("dflash_generation_tokens_per_second", "gauge", "Decode speed over all requests", t.tokens_per_second),
+            ("dflash_last_generation_tokens_per_second", "gauge", "Decode speed of the last request", self.last_tps),
+            ("dflash_tokens_per_cycle", "gauge", "Committed tokens per target step", t.tokens_per_cycle),
+            ("dflash_acceptance_rate", "gauge", "Accepted share of drafted tokens", t.acceptance_rate),
+        ]
+        out = []
+        for name, kind, doc, value in rows:
+            out += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f'{name}{{model="{model}"}} {value}']
+        out += ["# HELP dflash_cycles_total Target steps after the prompt, by draft block size (1: plain decoding)",
+                "# TYPE dflash_cycles_total counter"]
+        for block, cycles in sorted(t.block_histogram.items()):
+            out.append(f'dflash_cycles_total{{model="{model}",block_tokens="{block}"}} {cycles}')
+        return "\n".join(out) + "\n"
+
+
+@dataclass
+class Job:
+    prompt: Any
+    options: Dict[str, Any]
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, kind: str, payload=None) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, payload))
+
+
+class Engine:
+    """The model, its limits and its caches, shared by every protocol's routes."""
+
+    def __init__(self, model: DFlashModel, tokenizer, name: str, context_limit: Optional[int] = None,
+                 max_tokens_cap: int = 4096, block_tokens: Union[None, int, str] = "auto",
+                 prompt_cache_bytes: int = 4 << 30):
+        self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.context_limit = context_limit if context_limit is not None else model_context_length(model)
+        self.max_tokens_cap, self.block_tokens = max_tokens_cap, block_tokens
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-generate")
+        self.prompt_caches = PromptCachePool(prompt_cache_bytes)
+        self.metrics = Metrics()
+
+    def answer_budget(self, prompt_tokens: int, requested: Optional[int]) -> int:
+        """Tokens an answer may have: what was asked (or the cap), within the context limit,
+        which counts the prompt and the answer together."""
+        limit = self.context_limit
+        if limit is not None and prompt_tokens >= limit:
+            raise ContextFull(f"prompt has {prompt_tokens} tokens; the context limit is {limit} (prompt and answer together)")
+        budget = min(requested or self.max_tokens_cap, self.max_tokens_cap)
+        return budget if limit is None else min(budget, limit - prompt_tokens)
+
+    def submit(self, prompt, options: Dict[str, Any]) -> Job:
+        job = Job(prompt, {"block_tokens": self.block_tokens, **options}, asyncio.Queue(), asyncio.get_running_loop())
+        self.metrics.count("queued")
+        self.worker.submit(self._run, job)
+        return job
+
+    def _run(self, job: Job) -> None:
+        last = None
+        try:
+            if job.cancelled.is_set():
+                return
+            stream = stream_generate(self.model, self.tokenizer, job.prompt, prompt_cache=self.prompt_caches,
+                                     cancelled=job.cancelled.is_set, **job.options)
+            for last in stream:
+                if job.cancelled.is_set():
+                    stream.close()
+                    break
+                job.emit("token", last)
+            if job.cancelled.is_set():
+                self.metrics.count("cancelled")
+            elif last is not None:
+                self.metrics.add(last)
+        except Exception as e:  # reported to the client as a 500, logged in full here
+            LOG.exception("generation failed")
+            self.metrics.count("errors")
+            job.emit("error", f"{type(e).__name__}: {e}")
+        finally:
+            self.metrics.prompt_cache_bytes = self.prompt_caches.nbytes
+            self.metrics.prompt_cache_histories = len(self.prompt_caches.histories)
+            self.metrics.count("queued", -1)
+            job.emit("done", last)
+
+
+def current_engine(request: Request) -> Engine:
+    """The app's engine, for routes (a FastAPI dependency)."""
+    return request.app.state.engine

@@ -1,0 +1,304 @@
+"""OpenAI's API: chat completions (tools included), completions (fill-in-the-middle) and models.
+
+Routes at module level over the app's ``Engine``; a request either streams server-sent events or
+waits for the whole answer, and a client that goes away cancels its generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..api import GenerationResponse, encode_prompt
+from .engine import ContextFull, Engine, Job, current_engine
+from .errors import APIError, error_body
+
+router = APIRouter()
+
+
+# ---- request schemas (OpenAI's, with the options we honour) ----------------------------------
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, List[Dict[str, Any]]]] = None
+    tool_calls: Optional[List[Dict[str, Any]]] = None
+    tool_call_id: Optional[str] = None
+
+
+class SamplingRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, lt=1.0)
+    seed: Optional[int] = None
+    stop: Optional[Union[str, List[str]]] = None
+    stream: bool = False
+    stream_options: Optional[Dict[str, Any]] = None
+    n: int = 1
+    user: Optional[str] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+class ChatRequest(SamplingRequest):
+    messages: List[Message] = Field(..., min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    tools: Optional[List[Dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, Dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    logprobs: Optional[bool] = None
+    response_format: Optional[Dict[str, Any]] = None
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Union[str, List[int], List[str]]
+    suffix: Optional[str] = None
+    echo: bool = False
+    logprobs: Optional[int] = None
+
+
+def _unsupported(req: SamplingRequest) -> None:
+    """Options we cannot honour get a 400, never a silent ignore."""
+    checks = [
+        (req.n != 1, "n", "only n=1 is supported"),
+        (req.presence_penalty != 0 or req.frequency_penalty != 0, "presence_penalty", "penalties are not supported (they would change the target's distribution)"),
+        (bool(getattr(req, "logprobs", None)), "logprobs", "logprobs are not supported"),
+        (bool(getattr(req, "echo", False)), "echo", "echo is not supported"),
+    ]
+    fmt = getattr(req, "response_format", None)
+    checks.append((fmt is not None and fmt.get("type") not in (None, "text"), "response_format", "only response_format 'text' is supported"))
+    choice = getattr(req, "tool_choice", None)
+    checks.append((choice not in (None, "auto", "none"), "tool_choice", "tool_choice must be 'auto' or 'none'"))
+    for bad, param, message in checks:
+        if bad:
+            raise APIError(400, message, param=param, code="unsupported_parameter")
+
+
+# ---- routes -------------------------------------------------------------------------------------
+
+
+def check_model(engine: Engine, name: str) -> None:
+    if name != engine.name:
+        raise APIError(404, f"model {name!r} not found; this server serves {engine.name!r}", param="model", code="model_not_found")
+
+
+def options(engine: Engine, req: SamplingRequest, max_tokens: Optional[int], prompt_ids) -> Dict[str, Any]:
+    """The generation's options; an answer stops with ``length`` where the context is full."""
+    try:
+        budget = engine.answer_budget(len(prompt_ids), max_tokens)
+    except ContextFull as e:
+        raise APIError(400, str(e), param="messages", code="context_length_exceeded") from e
+    stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    return dict(max_tokens=budget, temp=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                seed=req.seed, stop=stop)
+
+
+@router.get("/v1/models")
+async def models(engine: Engine = Depends(current_engine)):
+    return {"object": "list", "data": [{"id": engine.name, "object": "model", "created": int(engine.metrics.started), "owned_by": "dflash-mlx"}]}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(req: ChatRequest, request: Request, engine: Engine = Depends(current_engine)):
+    check_model(engine, req.model)
+    _unsupported(req)
+    messages = [_message_dict(m) for m in req.messages]
+    tools = req.tools if req.tools and req.tool_choice != "none" else None
+    try:  # off the event loop: a long conversation takes a while to render and tokenize
+        prompt_ids = await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages, tools=tools,
+                                             add_generation_prompt=True, tokenize=True)
+    except Exception as e:
+        raise APIError(400, f"cannot apply the chat template to these messages: {e}", param="messages") from e
+    opts = options(engine, req, req.max_completion_tokens or req.max_tokens, prompt_ids)
+    job = engine.submit(list(prompt_ids), opts)
+    include_usage = bool((req.stream_options or {}).get("include_usage"))
+    reply = _Reply("chat.completion", engine.name, engine.tokenizer if tools else None, tools)
+    if req.stream:
+        return StreamingResponse(reply.stream(job, include_usage), media_type="text/event-stream")
+    return JSONResponse(await reply.whole(job, request))
+
+
+@router.post("/v1/completions")
+async def completions(req: CompletionRequest, request: Request, engine: Engine = Depends(current_engine)):
+    check_model(engine, req.model)
+    _unsupported(req)
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise APIError(400, "only one prompt per request is supported", param="prompt")
+        prompt = prompt[0]
+    if req.suffix is not None:
+        if not isinstance(prompt, str):
+            raise APIError(400, "suffix needs a text prompt", param="suffix")
+        prompt = _fill_in_the_middle(engine.tokenizer, prompt, req.suffix)
+    prompt_ids = (await asyncio.to_thread(encode_prompt, engine.tokenizer, prompt)).tolist() if isinstance(prompt, str) else list(prompt)
+    if not prompt_ids:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    if max(prompt_ids) >= engine.model.target.args.vocab_size or min(prompt_ids) < 0:
+        raise APIError(400, "prompt token id outside the vocabulary", param="prompt")
+    opts = options(engine, req, req.max_tokens or 16, prompt_ids)
+    job = engine.submit(prompt_ids, opts)
+    reply = _Reply("text_completion", engine.name)
+    if req.stream:
+        include_usage = bool((req.stream_options or {}).get("include_usage"))
+        return StreamingResponse(reply.stream(job, include_usage), media_type="text/event-stream")
+    return JSONResponse(await reply.whole(job, request))
+
+
+
+async def _cancel_on_disconnect(request: Request, job: Job, every: float = 0.1) -> None:
+    while not job.cancelled.is_set():
+        if await request.is_disconnected():
+            job.cancelled.set()
+            return
+        await asyncio.sleep(every)
+
+
+def _message_dict(m: Message) -> Dict[str, Any]:
+    out = m.model_dump(exclude_none=True)
+    if isinstance(out.get("content"), list):  # OpenAI content parts: keep the text ones
+        out["content"] = "".join(p.get("text", "") for p in out["content"] if p.get("type") == "text")
+    if out["role"] == "developer":
+        out["role"] = "system"
+    return out
+
+
+def _fill_in_the_middle(tokenizer, prefix: str, suffix: str) -> str:
+    """Qwen's FIM prompt: the model writes what goes between prefix and suffix."""
+    vocab = tokenizer.get_vocab()
+    markers = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+    if not all(m in vocab for m in markers):
+        raise APIError(400, "this model's tokenizer has no fill-in-the-middle tokens", param="suffix")
+    return f"{markers[0]}{prefix}{markers[1]}{suffix}{markers[2]}"
+
+
+class _Reply:
+    """Turns a job's events into OpenAI responses (whole, or as server-sent events)."""
+
+    def __init__(self, kind: str, model: str, tokenizer=None, tools=None):
+        self.kind, self.model, self.tokenizer, self.tools = kind, model, tokenizer, tools
+        self.id = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+
+    def _usage(self, last: Optional[GenerationResponse]) -> Dict[str, Any]:
+        prompt = last.prompt_tokens if last else 0
+        completion = last.generation_tokens if last else 0
+        cached = last.cached_prompt_tokens if last else 0
+        return {
+            "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    def _tool_calls(self, text: str):
+        """Split model output into content and OpenAI tool_calls (mlx-lm's parser for the template)."""
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "has_tool_calling", False) or tok.tool_call_start not in text:
+            return text, []
+        content, calls = text.split(tok.tool_call_start, 1)[0], []
+        for block in text.split(tok.tool_call_start)[1:]:
+            body = block.split(tok.tool_call_end, 1)[0].strip()
+            try:
+                parsed = tok.tool_parser(body, self.tools)
+            except Exception:
+                return text, []  # not a well-formed call: leave it as text
+            for call in parsed if isinstance(parsed, list) else [parsed]:
+                arguments = call.get("arguments", {})
+                calls.append({
+                    "id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                    "function": {"name": call["name"], "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)},
+                })
+        return content.rstrip(), calls
+
+    async def _events(self, job: Job):
+        try:
+            while True:
+                kind, payload = await job.queue.get()
+                if kind == "error":
+                    raise APIError(500, payload, "server_error")
+                yield kind, payload
+                if kind == "done":
+                    return
+        finally:
+            job.cancelled.set()  # the client went away (or we are done): free the model
+
+    async def whole(self, job: Job, request: Optional[Request] = None) -> Dict[str, Any]:
+        """The whole answer. Nothing is sent before it is done, so a disconnect is only seen by
+        watching for it: a client that gives up frees the model at the next step."""
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, job)) if request is not None else None
+        text, last = "", None
+        try:
+            async for kind, r in self._events(job):
+                if kind == "token":
+                    text, last = text + r.text, r
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+        finish = last.finish_reason if last else "stop"
+        if self.kind == "text_completion":
+            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        else:
+            content, calls = self._tool_calls(text)
+            message = {"role": "assistant", "content": content if content or not calls else None}
+            if calls:
+                message["tool_calls"], finish = calls, "tool_calls"
+            choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+        return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
+                "choices": [choice], "usage": self._usage(last)}
+
+    def _chunk(self, delta_or_text, finish=None, usage=None) -> str:
+        if self.kind == "text_completion":
+            choice = {"index": 0, "text": delta_or_text, "finish_reason": finish, "logprobs": None}
+            obj = "text_completion"
+        else:
+            choice = {"index": 0, "delta": delta_or_text, "finish_reason": finish, "logprobs": None}
+            obj = "chat.completion.chunk"
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice] if delta_or_text is not None else []}
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
+    async def stream(self, job: Job, include_usage: bool):
+        chat = self.kind == "chat.completion"
+        held, last = "", None  # with tools, text from the first tool-call marker on is held back
+        try:
+            if chat:
+                yield self._chunk({"role": "assistant", "content": ""})
+            async for kind, r in self._events(job):
+                if kind != "token":
+                    continue
+                last = r
+                text = r.text
+                if chat and self.tokenizer is not None and (held or self.tokenizer.tool_call_start in text):
+                    held += text
+                    continue
+                if text:
+                    yield self._chunk({"content": text} if chat else text)
+            finish = last.finish_reason if last else "stop"
+            if held:
+                content, calls = self._tool_calls(held)
+                if content:
+                    yield self._chunk({"content": content})
+                if calls:
+                    deltas = [{**c, "index": i} for i, c in enumerate(calls)]
+                    yield self._chunk({"tool_calls": deltas})
+                    finish = "tool_calls"
+            yield self._chunk({} if chat else "", finish=finish)
+            if include_usage:
+                yield self._chunk(None, usage=self._usage(last))
+            yield "data: [DONE]\n\n"
+        except APIError as e:
+            yield f"data: {json.dumps(error_body(e.message, e.kind))}\n\n"
+        finally:
+            job.cancelled.set()  # a disconnect closes this generator: stop generating at once
