@@ -1,8 +1,10 @@
 """Target-only vs DFlash, side by side, on workloads that mirror real use.
 
-Runs alternate (baseline, each block setting, next prompt, ...), in an order rotated per prompt,
-so that thermal or background drift hits every setting alike. Greedy runs must give identical
-outputs: the bench reports it.
+Two baselines: our target-only loop (the same model code DFlash verifies with) and mlx-lm's
+own ``stream_generate`` on mlx-lm's build of the target (what a Mac user runs without us).
+Runs alternate (baselines, each block setting, next prompt, ...), in an order rotated per
+prompt, so that thermal or background drift hits every setting alike. Greedy runs must give
+identical outputs: the bench reports it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .api import DFlashModel, stream_generate
+from .api import DFlashModel, encode_prompt, stream_generate
 
 _EDIT_SOURCE = '''import json
 from pathlib import Path
@@ -64,7 +66,7 @@ SUITES: Dict[str, List[str]] = {
 class Run:
     suite: str
     prompt_index: int
-    mode: str  # "baseline" or "dflash"
+    mode: str  # "baseline" (our target-only loop), "mlx_lm" (mlx-lm's stream_generate) or "dflash"
     block_tokens: Optional[str]  # "4", "auto", "auto:8"; None for the baseline
     tokens: int
     tps: float
@@ -101,6 +103,63 @@ def measure(
         accepted_lengths=lengths if use_draft else [],
         block_histogram=dict(last.block_histogram) if use_draft else {}, output=tokens,
     )
+
+
+def load_mlx_lm(target_path: Path):
+    """The target as mlx-lm builds it (its ``qwen3_5`` / ``qwen3_5_moe`` classes; text-only
+    checkpoints name their model type ``*_text``, which mlx-lm's loader does not map itself)."""
+    from mlx_lm.models import qwen3_5, qwen3_5_moe
+    from mlx_lm.utils import load_model
+
+    from .loading import read_config
+
+    module = {"qwen3_5_text": qwen3_5, "qwen3_5_moe_text": qwen3_5_moe}.get(read_config(target_path).get("model_type"))
+    kwargs = {"get_model_classes": lambda config: (module.Model, module.ModelArgs)} if module is not None else {}
+    model, _ = load_model(Path(target_path), **kwargs)
+    return model
+
+
+def measure_mlx_lm(model, tokenizer, prompt, max_tokens: int, chat: bool, sampling=None) -> Run:
+    """One run of ``mlx_lm.stream_generate`` on the same prompt tokens and sampling."""
+    import mlx.core as mx
+    from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    sampling = dict(sampling or {})
+    if sampling.get("seed") is not None:
+        mx.random.seed(sampling["seed"])
+    sampler = make_sampler(sampling.get("temp", 0.0), sampling.get("top_p", 1.0), top_k=sampling.get("top_k", 0))
+    ids = encode_prompt(tokenizer, [{"role": "user", "content": prompt}] if chat else prompt).tolist()
+    tokens, last = [], None
+    for last in mlx_lm_stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=sampler):
+        tokens.append(last.token)
+    return Run(
+        suite="", prompt_index=0, mode="mlx_lm", block_tokens=None, tokens=last.generation_tokens,
+        tps=last.generation_tps, prompt_tps=last.prompt_tps, tokens_per_cycle=1.0, acceptance_rate=0.0,
+        peak_memory_gb=last.peak_memory, prompt_tokens=last.prompt_tokens, output=tokens,
+    )
+
+
+def run_all(model: DFlashModel, tokenizer, jobs, blocks: List[str], max_tokens: int, chat: bool, sampling=None,
+            mlx_lm_model=None, progress=None) -> List[Run]:
+    """Every job (suite, context, prompt index, prompt) under every setting: the baselines and each
+    block setting, rotated per job. ``progress(done, description)`` is told each run as it starts."""
+    settings = [("baseline", None)] + ([("mlx_lm", None)] if mlx_lm_model is not None else []) + [("dflash", b) for b in blocks]
+    runs = []
+    for k, (name, context, index, prompt) in enumerate(jobs):
+        # Rotated per job: a machine that slows down over a run (heat, a burst budget, a
+        # neighbour) must not always hit the same setting, as it would the last one.
+        for mode, block in settings[k % len(settings):] + settings[: k % len(settings)]:
+            if progress is not None:
+                label = {"baseline": "target alone", "mlx_lm": "mlx-lm"}.get(mode, f"block {block}")
+                progress(len(runs), f"{name}{f' +{context}' if context else ''} #{index + 1}: {label}")
+            if mode == "mlx_lm":
+                run = measure_mlx_lm(mlx_lm_model, tokenizer, prompt, max_tokens, chat, sampling)
+            else:
+                run = measure(model, tokenizer, prompt, mode == "dflash", block, max_tokens, chat, sampling)
+            run.suite, run.prompt_index, run.context_tokens = name, index, context
+            runs.append(run)
+    return runs
 
 
 def default_blocks(draft_block_size: int) -> List[str]:
@@ -200,9 +259,11 @@ def summarize(runs: List[Run]) -> List[Dict]:
     for suite, context, block in sorted(keys, key=lambda k: (k[0], k[1], _block_order(k[2]))):
         spec = [r for r in runs if (r.suite, r.context_tokens, r.block_tokens, r.mode) == (suite, context, block, "dflash")]
         base = [r for r in runs if (r.suite, r.context_tokens, r.mode) == (suite, context, "baseline")]
+        mlx_lm = [r for r in runs if (r.suite, r.context_tokens, r.mode) == (suite, context, "mlx_lm")]
         reference = {r.prompt_index: r.output for r in base}
         base_tps = statistics.median(b.tps for b in base)
         spec_tps = statistics.median(s.tps for s in spec)
+        mlx_lm_tps = statistics.median(m.tps for m in mlx_lm) if mlx_lm else None
         histogram: Dict[int, int] = {}
         for s in spec:
             for b, n in s.block_histogram.items():
@@ -215,9 +276,12 @@ def summarize(runs: List[Run]) -> List[Dict]:
             "baseline_tps": base_tps,
             "dflash_tps": spec_tps,
             "speedup": spec_tps / base_tps if base_tps else 0.0,
+            "mlx_lm_tps": mlx_lm_tps,
+            "speedup_vs_mlx_lm": spec_tps / mlx_lm_tps if mlx_lm_tps else None,
+            "mlx_lm_identical": all(m.output == reference[m.prompt_index] for m in mlx_lm) if mlx_lm else None,
             "tokens_per_cycle": statistics.mean(s.tokens_per_cycle for s in spec),
             "acceptance_rate": statistics.mean(s.acceptance_rate for s in spec),
-            "peak_memory_gb": max(r.peak_memory_gb for r in spec + base),
+            "peak_memory_gb": max(r.peak_memory_gb for r in spec + base + mlx_lm),
             "identical": all(s.output == reference[s.prompt_index] for s in spec),
             "block_shares": {str(b): n / total for b, n in sorted(histogram.items())},
             "accepted_lengths": [n for s in spec for n in s.accepted_lengths],

@@ -195,6 +195,7 @@ def bench(
     chat_template: Annotated[bool, typer.Option("--chat-template/--no-chat-template", help="Wrap prompts in the chat template.")] = True,
     out: Annotated[Optional[Path], typer.Option("--out", help="Write all results as JSON here.")] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG: tok/s per suite side by side, and accepted lengths.")] = None,
+    mlx_lm: Annotated[bool, typer.Option("--mlx-lm/--no-mlx-lm", help="Also run mlx-lm's own stream_generate on mlx-lm's build of the target, as a second baseline (loads the target a second time).")] = True,
 ) -> None:
     """Target alone vs DFlash, interleaved: speed, acceptance, block sizes used, identical outputs.
 
@@ -245,37 +246,34 @@ def bench(
         (name, n, i, bench_lib.with_context(prompt, prefixes[n]))
         for name, prompts in workloads.items() for n in contexts for i, prompt in enumerate(prompts) for _ in range(repeats)
     ]
-    runs = []
     for size in range(1, loaded.draft.block_size + 1):  # compile every block size once, outside the timings
         bench_lib.measure(loaded, tokenizer, "warm up", True, size, 8, chat, sampling)
     if any(b.startswith("auto") for b in blocks):  # and let auto measure cycle costs, as a chat session would have
         bench_lib.measure(loaded, tokenizer, "warm up", True, "auto", 64, chat, sampling)
+    baseline = bench_lib.load_mlx_lm(loaded.target_path) if mlx_lm else None
+    if baseline is not None:
+        bench_lib.measure_mlx_lm(baseline, tokenizer, "warm up", 8, chat, sampling)
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     with Progress(*columns, console=console) as progress:
-        task = progress.add_task("bench", total=len(jobs) * (1 + len(blocks)))
-        settings = [(False, None)] + [(True, b) for b in blocks]
-        for k, (name, n, i, prompt) in enumerate(jobs):
-            # Rotated per job: a machine that slows down over a run (heat, a burst budget, a
-            # neighbour) must not always hit the same setting, as it would the last one.
-            for use_draft, block in settings[k % len(settings):] + settings[: k % len(settings)]:
-                label = f"block {block}" if use_draft else "target alone"
-                progress.update(task, description=f"{name}{f' +{n}' if n else ''} #{i + 1}: {label}")
-                run = bench_lib.measure(loaded, tokenizer, prompt, use_draft, block, max_tokens, chat, sampling)
-                run.suite, run.prompt_index, run.context_tokens = name, i, n
-                runs.append(run)
-                progress.advance(task)
+        task = progress.add_task("bench", total=len(jobs) * (1 + (baseline is not None) + len(blocks)))
+        runs = bench_lib.run_all(loaded, tokenizer, jobs, blocks, max_tokens, chat, sampling, baseline,
+                                 lambda done, description: progress.update(task, completed=done, description=description))
+        progress.update(task, completed=progress.tasks[0].total)
     rows = bench_lib.summarize(runs)
     table = Table(title="dflash-mlx bench (greedy)" if temp == 0 else "dflash-mlx bench (sampled)")
     with_context_column = any(contexts)
     columns = ["suite"] + (["context"] if with_context_column else []) + [
-        "block", "target tok/s", "DFlash tok/s", "speedup", "tokens/cycle", "acceptance", "blocks used", "peak GB", "identical"]
+        "block", "target tok/s", *(["mlx-lm tok/s"] if baseline is not None else []), "DFlash tok/s", "speedup",
+        *(["vs mlx-lm"] if baseline is not None else []), "tokens/cycle", "acceptance", "blocks used", "peak GB", "identical"]
     for column in columns:
         table.add_column(column, justify="right")
     for r in rows:
         shares = {int(b): share for b, share in r["block_shares"].items()}
         table.add_row(
             r["suite"], *([str(r["context_tokens"])] if with_context_column else []), r["block_tokens"],
-            f"{r['baseline_tps']:.1f}", f"{r['dflash_tps']:.1f}", f"{r['speedup']:.2f}x", f"{r['tokens_per_cycle']:.2f}",
+            f"{r['baseline_tps']:.1f}", *([f"{r['mlx_lm_tps']:.1f}"] if baseline is not None else []),
+            f"{r['dflash_tps']:.1f}", f"{r['speedup']:.2f}x",
+            *([f"{r['speedup_vs_mlx_lm']:.2f}x"] if baseline is not None else []), f"{r['tokens_per_cycle']:.2f}",
             f"{r['acceptance_rate']:.0%}", describe(shares).removeprefix("blocks "), f"{r['peak_memory_gb']:.2f}",
             "n/a" if temp > 0 else ("yes" if r["identical"] else "NO"),
         )
