@@ -146,12 +146,13 @@ def test_bench_writes_json_and_png(pair, tmp_path):
     rows = {(r["suite"], r["block_tokens"]) for r in results["summary"]}
     assert rows == {(s, b) for s in ("edit", "code") for b in ("4", "8", "auto")}
     for r in results["summary"]:
-        assert r["identical"] and r["baseline_tps"] > 0 and r["dflash_tps"] > 0
-        assert set(r) >= {"speedup", "tokens_per_cycle", "acceptance_rate", "peak_memory_gb", "accepted_lengths", "block_shares"}
+        assert r["identical"] and r["baseline_tps"] > 0 and r["dflash_tps"] > 0 and r["mlx_lm_tps"] > 0
+        assert set(r) >= {"speedup", "speedup_vs_mlx_lm", "tokens_per_cycle", "acceptance_rate", "peak_memory_gb", "accepted_lengths", "block_shares"}
         assert sum(r["block_shares"].values()) == pytest.approx(1.0)
         if r["block_tokens"] != "auto":
             assert r["block_shares"] == {r["block_tokens"]: 1.0}
-    assert len(results["runs"]) == 2 * 2 * 4  # 2 prompts per suite x (baseline + 3 block settings)
+    assert len(results["runs"]) == 2 * 2 * 5  # 2 prompts per suite x (2 baselines + 3 block settings)
+    assert "mlx-lm tok/s" in done.stdout
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "dflash-mlx bench" in done.stdout
     # The numbers say what produced them: here MLX's CPU backend with its bundled reference BLAS.
