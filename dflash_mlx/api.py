@@ -347,11 +347,7 @@ def stream_generate(
 def _drafting(model: DFlashModel, sampler: Sampler, setting: BlockTokens, use_draft: bool, seed: Optional[int]):
     """The draft to run (None: the target alone) and its block size or ``BlockChooser``."""
     draft = model.draft if use_draft else None
-    if draft is None:
-        if use_draft and not setting.auto and setting.tokens != 1:
-            raise ValueError(f"block_tokens {str(setting)!r} needs a draft model")
-        return None, None
-    cap = setting.cap(draft.block_size)
+    cap = setting.cap(draft.block_size if draft is not None else None) if use_draft else 1
     if cap == 1:
         return None, None  # no draft slot: plain decoding
     # Auto's choices follow measured times, and a sampled cycle's random draws depend on its size:

@@ -81,8 +81,13 @@ class BlockTokens:
             raise ValueError(f"block_tokens {value!r}: a block is at least 1 token")
         return cls(auto=auto, tokens=tokens)
 
-    def cap(self, draft_block_size: int) -> int:
-        """The largest block this setting may use with a draft of ``draft_block_size``."""
+    def cap(self, draft_block_size: Optional[int]) -> int:
+        """The largest block this setting may use with a draft of ``draft_block_size`` (None: no
+        draft, where only auto and 1 mean something): the one check of a setting against a pair."""
+        if draft_block_size is None:
+            if not self.auto and self.tokens != 1:
+                raise ValueError(f"block_tokens {str(self)!r} needs a draft model")
+            return 1
         tokens = draft_block_size if self.tokens is None else self.tokens
         if tokens > draft_block_size:
             raise ValueError(f"block_tokens {str(self)!r}: more than the draft's block size {draft_block_size}")

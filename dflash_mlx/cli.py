@@ -73,12 +73,9 @@ def _check_block_tokens(loaded, block_tokens: str):
     draft = loaded[0].draft
     try:
         setting = BlockTokens.parse(block_tokens)
-        if draft is not None:
-            setting.cap(draft.block_size)
+        setting.cap(draft.block_size if draft is not None else None)
     except ValueError as e:
-        _fail(str(e).replace("block_tokens", "--block-tokens", 1))
-    if draft is None and not setting.auto and setting.tokens != 1:
-        _fail(f"--block-tokens {block_tokens} needs a draft (--draft)")
+        _fail(str(e).replace("block_tokens", "--block-tokens", 1).replace("a draft model", "a draft (--draft)"))
     return setting
 
 

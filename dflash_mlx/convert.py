@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from . import loading
-from .models.dflash import DraftArgs, evenly_spaced_layer_ids, quantize_draft
+from .models.dflash import DraftArgs, quantize_draft, resolve_taps
 
 DEFAULT_DRAFT = "z-lab/Qwen3.5-9B-DFlash"
 DEFAULT_TARGET = "Jackrong/Qwopus3.5-9B-Coder"
@@ -115,12 +115,10 @@ def check_pair(draft_config: Dict, target_dir: Path, base_tokenizer_dir: Optiona
         f"draft hidden_size {args.hidden_size}, target {hidden}"
         + ("" if args.hidden_size == hidden else ": this draft was made for another model size"),
     )
-    ids = list(args.target_layer_ids or evenly_spaced_layer_ids(layers, args.num_hidden_layers))
-    bad = [i for i in ids if not 0 <= i < layers]
-    report.record(
-        "target_layer_ids", not bad,
-        f"taps {ids} of a {layers}-layer target" + (f": {bad} do not exist" if bad else ""),
-    )
+    try:
+        report.record("target_layer_ids", True, f"taps {resolve_taps(args.target_layer_ids, args.num_hidden_layers, layers)}")
+    except ValueError as e:
+        report.record("target_layer_ids", False, str(e))
     mask = args.mask_token_id
     report.record(
         "mask_token_id in embedding", 0 <= mask < rows,
@@ -182,39 +180,6 @@ def _staging(output: Path, force: bool) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def normalized_draft_config(args: DraftArgs, target_layer_ids: List[int], num_target_layers: int) -> Dict:
-    """One schema for every draft we write: z-lab's nested one, with what its loaders require."""
-    config = {
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "num_target_layers": num_target_layers,
-        "hidden_size": args.hidden_size,
-        "num_hidden_layers": args.num_hidden_layers,
-        "num_attention_heads": args.num_attention_heads,
-        "num_key_value_heads": args.num_key_value_heads,
-        "head_dim": args.head_dim,
-        "intermediate_size": args.intermediate_size,
-        "rms_norm_eps": args.rms_norm_eps,
-        "max_position_embeddings": args.max_position_embeddings,
-        "attention_bias": args.attention_bias,
-        "layer_types": args.layer_types,
-        "rope_parameters": args.rope_scaling or {"rope_type": "default", "rope_theta": args.rope_theta},
-        "dflash_config": {
-            "block_size": args.block_size,
-            "mask_token_id": args.mask_token_id,
-            "target_layer_ids": target_layer_ids,
-        },
-    }
-    config["rope_parameters"].setdefault("rope_theta", args.rope_theta)
-    if args.sliding_window:
-        config["sliding_window"] = args.sliding_window
-    if args.is_causal is not None:
-        config["is_causal"] = args.is_causal
-    if args.vocab_size is not None:
-        config["vocab_size"] = args.vocab_size
-    return config
-
-
 def _model_card(meta: Dict) -> str:
     lines = [
         "# DFlash draft for dflash-mlx",
@@ -273,9 +238,9 @@ def convert_draft(
         model, _ = loading.load_draft(draft_dir)
     except (loading.CheckpointError, ValueError) as e:
         raise ConversionError(str(e)) from e
-    ids = list(model.args.target_layer_ids or evenly_spaced_layer_ids(target_layers, model.args.num_hidden_layers))
+    ids = resolve_taps(model.args.target_layer_ids, model.args.num_hidden_layers, target_layers)
     quantization = quantize_draft(model, quantize_draft_spec)
-    config = normalized_draft_config(model.args, ids, target_layers)
+    config = model.args.to_config(ids, target_layers)
     meta = {
         "draft": draft, "draft_revision": draft_rev, "target": target, "target_revision": target_rev,
         "base_tokenizer": base_tokenizer, "quantization": quantization,

@@ -18,7 +18,7 @@ from typing import Container, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 
-from .block_policy import BlockChooser, FixedBlock
+from .block_policy import BlockChooser, BlockTokens, FixedBlock
 from .cache import cache_arrays, restore, rollback, snapshot
 from .models.dflash import DFlashDraft
 from .models.qwen3_5 import Model as Target
@@ -162,10 +162,9 @@ def speculative(
     for each cycle's size (``block_policy.AutoBlock``). A cycle of size 1 is a plain decode step
     whose tapped features wait in ``pending`` and reach the draft when drafting resumes.
     """
-    chooser = block_tokens if hasattr(block_tokens, "choose") else FixedBlock(block_tokens or draft.block_size)
+    chooser = block_tokens if hasattr(block_tokens, "choose") else FixedBlock(
+        BlockTokens.parse(block_tokens or draft.block_size).cap(draft.block_size))
     if isinstance(chooser, FixedBlock):
-        if not 1 <= chooser.block <= draft.block_size:
-            raise ValueError(f"block_tokens={block_tokens} must be between 1 and the draft's block size {draft.block_size}")
         if chooser.block == 1:  # no draft slot at all: plain decoding
             yield from target_only(target, prompt, sampler, prefill_step_size, cache, on_chunk, split_at, max_tokens, stop_tokens)
             return

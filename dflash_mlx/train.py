@@ -22,7 +22,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .models.dflash import DFlashDraft, DraftArgs, evenly_spaced_layer_ids
+from .models.dflash import DFlashDraft, DraftArgs, resolve_taps
 
 # Resume state lives beside the weights, out of the loaders' way.
 STATE_DIR = "training_state"
@@ -55,36 +55,17 @@ def new_draft_config(
     attention inside the block (slot k sees slots 0..k).
     """
     a = target.args
-    taps = list(taps) if taps else evenly_spaced_layer_ids(a.num_hidden_layers, num_layers)
-    bad = [t for t in taps if not 0 <= t < a.num_hidden_layers]
-    if bad:
-        raise ValueError(f"tap {bad[0]} is not a layer of the {a.num_hidden_layers}-layer target (0..{a.num_hidden_layers - 1})")
     if not 0 <= block_only_layers < num_layers:
         raise ValueError(f"block-only layers must be 0..{num_layers - 1} for a {num_layers}-layer draft, got {block_only_layers}")
-    config = {
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "hidden_size": a.hidden_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": a.num_attention_heads,
-        "num_key_value_heads": a.num_key_value_heads,
-        "head_dim": a.head_dim,
-        "intermediate_size": a.intermediate_size,
-        "rms_norm_eps": a.rms_norm_eps,
-        "max_position_embeddings": 262144,
-        "vocab_size": a.vocab_size,
-        "num_target_layers": a.num_hidden_layers,
-        "layer_types": ["full_attention"] * (num_layers - block_only_layers) + ["block_attention"] * block_only_layers,
-        "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta},
-        "dflash_config": {
-            "block_size": block_size,
-            "mask_token_id": mask_token_id,
-            "target_layer_ids": taps,
-        },
-    }
-    if causal:
-        config["is_causal"] = True  # top level, where z-lab's loaders read it
-    return config
+    taps = resolve_taps(taps, num_layers, a.num_hidden_layers)
+    args = DraftArgs(
+        hidden_size=a.hidden_size, num_hidden_layers=num_layers, num_attention_heads=a.num_attention_heads,
+        num_key_value_heads=a.num_key_value_heads, head_dim=a.head_dim, intermediate_size=a.intermediate_size,
+        mask_token_id=mask_token_id, block_size=block_size, rms_norm_eps=a.rms_norm_eps, rope_theta=a.rope_theta,
+        layer_types=["full_attention"] * (num_layers - block_only_layers) + ["block_attention"] * block_only_layers,
+        is_causal=True if causal else None, vocab_size=a.vocab_size,
+    )
+    return args.to_config(taps, a.num_hidden_layers)
 
 
 def content_match_init(draft: DFlashDraft, target) -> None:

@@ -168,7 +168,7 @@ def test_missing_mask_token_id_is_an_error(tmp_path, target_config):
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(target_layer_ids=[1, 9]), r"target_layer_ids \[9\] out of range for a 4-layer target"),
+        (dict(target_layer_ids=[1, 9]), r"taps \[9\] are not layers of the 4-layer target"),
         (dict(mask_token_id=VOCAB), "mask_token_id 512 outside the target vocabulary"),
     ],
 )
@@ -194,7 +194,7 @@ def test_sliding_layers_need_a_window(target_config):
 
 
 def test_block_tokens_beyond_the_draft_block_is_an_error(target, draft):
-    with pytest.raises(ValueError, match="block_tokens=17 must be between 1 and the draft's block size 16"):
+    with pytest.raises(ValueError, match="block_tokens '17': more than the draft's block size 16"):
         next(speculative(target, draft, PROMPT, Sampler(), block_tokens=17))
 
 

@@ -119,7 +119,7 @@ def test_cli_trains_and_rejects_bad_input(setup, tmp_path):
         (["--data", str(tmp_path / "none.txt"), "--out", str(tmp_path / "e")], "does not exist"),
         (["--data", str(corpus), "--out", str(tmp_path / "d")], "already exists and is not empty"),
         (["--data", str(corpus), "--out", str(tmp_path / "f"), "--resume"], "nothing to resume"),
-        (["--data", str(corpus), "--out", str(tmp_path / "g"), "--taps", "1,9"], "tap 9 is not a layer"),
+        (["--data", str(corpus), "--out", str(tmp_path / "g"), "--taps", "1,9"], "taps [9] are not layers of the 4-layer target"),
         (["--data", str(corpus), "--out", str(tmp_path / "h"), "--taps", "a"], "expected layer numbers"),
     ):
         bad = subprocess.run(base + args, capture_output=True, text=True, cwd=ROOT, timeout=300)

@@ -8,7 +8,7 @@ own: ``bind`` attaches the target's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -23,6 +23,16 @@ def evenly_spaced_layer_ids(num_target_layers: int, num_draft_layers: int) -> Li
         return [num_target_layers // 2]
     span = num_target_layers - 4
     return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def resolve_taps(listed: Optional[Sequence[int]], num_draft_layers: int, num_target_layers: int) -> List[int]:
+    """The target layers a draft reads: as its config lists them, or z-lab's default. A tap the
+    target does not have is a ValueError naming it."""
+    ids = list(listed) if listed else evenly_spaced_layer_ids(num_target_layers, num_draft_layers)
+    bad = [i for i in ids if not 0 <= i < num_target_layers]
+    if bad:
+        raise ValueError(f"taps {bad} are not layers of the {num_target_layers}-layer target (0..{num_target_layers - 1})")
+    return ids
 
 
 # z-lab's layer types, and ours: a ``block_attention`` layer reads no context, only the block
@@ -94,6 +104,38 @@ class DraftArgs:
         if params.get("head_dim") is None:
             params["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
         return cls(**params)
+
+    def to_config(self, target_layer_ids: List[int], num_target_layers: int) -> Dict[str, Any]:
+        """The one schema every draft we write uses: z-lab's nested one, with what its loaders
+        require (``is_causal`` at the top level, ``num_target_layers``)."""
+        config = {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "num_target_layers": num_target_layers,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": self.attention_bias,
+            "layer_types": self.layer_types,
+            "rope_parameters": {**(self.rope_scaling or {"rope_type": "default"}), "rope_theta": self.rope_theta},
+            "dflash_config": {
+                "block_size": self.block_size,
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": target_layer_ids,
+            },
+        }
+        if self.sliding_window:
+            config["sliding_window"] = self.sliding_window
+        if self.is_causal is not None:
+            config["is_causal"] = self.is_causal
+        if self.vocab_size is not None:
+            config["vocab_size"] = self.vocab_size
+        return config
 
 
 class ContextCache:
@@ -378,10 +420,7 @@ class DFlashDraft(nn.Module):
                 f"draft hidden_size {self.args.hidden_size} != target hidden_size {t_args.hidden_size}: "
                 "this draft was made for another target"
             )
-        ids = list(self.args.target_layer_ids or evenly_spaced_layer_ids(n_layers, self.args.num_hidden_layers))
-        bad = [i for i in ids if not 0 <= i < n_layers]
-        if bad:
-            raise ValueError(f"draft target_layer_ids {bad} out of range for a {n_layers}-layer target")
+        ids = resolve_taps(self.args.target_layer_ids, self.args.num_hidden_layers, n_layers)
         fc_in = _in_features(self.fc)
         if fc_in != len(ids) * t_args.hidden_size:
             raise ValueError(
