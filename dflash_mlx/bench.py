@@ -162,6 +162,41 @@ def run_all(model: DFlashModel, tokenizer, jobs, blocks: List[str], max_tokens: 
     return runs
 
 
+def warm_up(model: DFlashModel, tokenizer, blocks: List[str], chat: bool, sampling=None, mlx_lm_model=None) -> None:
+    """Compile every block size (and mlx-lm's graphs) outside the timings, and let auto measure
+    cycle costs first, as a chat session would have."""
+    for size in range(1, model.draft.block_size + 1):
+        measure(model, tokenizer, "warm up", True, size, 8, chat, sampling)
+    if any(b.startswith("auto") for b in blocks):
+        measure(model, tokenizer, "warm up", True, "auto", 64, chat, sampling)
+    if mlx_lm_model is not None:
+        measure_mlx_lm(mlx_lm_model, tokenizer, "warm up", 8, chat, sampling)
+
+
+def table(rows: List[Dict], show_context: bool, mlx_lm: bool, sampled: bool):
+    """The summary as a rich table (what ``dflash-mlx bench`` prints)."""
+    from rich.table import Table
+
+    from .block_policy import describe
+
+    out = Table(title="dflash-mlx bench (sampled)" if sampled else "dflash-mlx bench (greedy)")
+    columns = ["suite", *(["context"] if show_context else []), "block", "target tok/s", *(["mlx-lm tok/s"] if mlx_lm else []),
+               "DFlash tok/s", "speedup", *(["vs mlx-lm"] if mlx_lm else []), "tokens/cycle", "acceptance",
+               "blocks used", "peak GB", "identical"]
+    for column in columns:
+        out.add_column(column, justify="right")
+    for r in rows:
+        shares = {int(b): share for b, share in r["block_shares"].items()}
+        out.add_row(
+            r["suite"], *([str(r["context_tokens"])] if show_context else []), r["block_tokens"],
+            f"{r['baseline_tps']:.1f}", *([f"{r['mlx_lm_tps']:.1f}"] if mlx_lm else []),
+            f"{r['dflash_tps']:.1f}", f"{r['speedup']:.2f}x", *([f"{r['speedup_vs_mlx_lm']:.2f}x"] if mlx_lm else []),
+            f"{r['tokens_per_cycle']:.2f}", f"{r['acceptance_rate']:.0%}", describe(shares).removeprefix("blocks "),
+            f"{r['peak_memory_gb']:.2f}", "n/a" if sampled else ("yes" if r["identical"] else "NO"),
+        )
+    return out
+
+
 def default_blocks(draft_block_size: int) -> List[str]:
     """The fixed sizes worth a row (2, 3, 4, 8, 16 and the draft's own, up to it) and ``auto``."""
     fixed = sorted({b for b in (2, 3, 4, 8, 16, draft_block_size) if 2 <= b <= draft_block_size})

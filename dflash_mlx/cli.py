@@ -201,17 +201,9 @@ def bench(
     across prompts, as chat and the server do across requests.
     """
     from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-    )
-    from rich.table import Table
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from . import bench as bench_lib
-    from .block_policy import describe
 
     sampling = _sampling(temp, top_p, top_k, seed)
     unknown = [s for s in suite if s not in bench_lib.SUITES]
@@ -243,13 +235,8 @@ def bench(
         (name, n, i, bench_lib.with_context(prompt, prefixes[n]))
         for name, prompts in workloads.items() for n in contexts for i, prompt in enumerate(prompts) for _ in range(repeats)
     ]
-    for size in range(1, loaded.draft.block_size + 1):  # compile every block size once, outside the timings
-        bench_lib.measure(loaded, tokenizer, "warm up", True, size, 8, chat, sampling)
-    if any(b.startswith("auto") for b in blocks):  # and let auto measure cycle costs, as a chat session would have
-        bench_lib.measure(loaded, tokenizer, "warm up", True, "auto", 64, chat, sampling)
     baseline = bench_lib.load_mlx_lm(loaded.target_path) if mlx_lm else None
-    if baseline is not None:
-        bench_lib.measure_mlx_lm(baseline, tokenizer, "warm up", 8, chat, sampling)
+    bench_lib.warm_up(loaded, tokenizer, blocks, chat, sampling, baseline)
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("bench", total=len(jobs) * (1 + (baseline is not None) + len(blocks)))
@@ -257,23 +244,7 @@ def bench(
                                  lambda done, description: progress.update(task, completed=done, description=description))
         progress.update(task, completed=progress.tasks[0].total)
     rows = bench_lib.summarize(runs)
-    table = Table(title="dflash-mlx bench (greedy)" if temp == 0 else "dflash-mlx bench (sampled)")
-    with_context_column = any(contexts)
-    columns = ["suite"] + (["context"] if with_context_column else []) + [
-        "block", "target tok/s", *(["mlx-lm tok/s"] if baseline is not None else []), "DFlash tok/s", "speedup",
-        *(["vs mlx-lm"] if baseline is not None else []), "tokens/cycle", "acceptance", "blocks used", "peak GB", "identical"]
-    for column in columns:
-        table.add_column(column, justify="right")
-    for r in rows:
-        shares = {int(b): share for b, share in r["block_shares"].items()}
-        table.add_row(
-            r["suite"], *([str(r["context_tokens"])] if with_context_column else []), r["block_tokens"],
-            f"{r['baseline_tps']:.1f}", *([f"{r['mlx_lm_tps']:.1f}"] if baseline is not None else []),
-            f"{r['dflash_tps']:.1f}", f"{r['speedup']:.2f}x",
-            *([f"{r['speedup_vs_mlx_lm']:.2f}x"] if baseline is not None else []), f"{r['tokens_per_cycle']:.2f}",
-            f"{r['acceptance_rate']:.0%}", describe(shares).removeprefix("blocks "), f"{r['peak_memory_gb']:.2f}",
-            "n/a" if temp > 0 else ("yes" if r["identical"] else "NO"),
-        )
+    table = bench_lib.table(rows, show_context=any(contexts), mlx_lm=baseline is not None, sampled=temp > 0)
     Console(width=None if sys.stdout.isatty() else 150).print(table)
     backend = bench_lib.compute_backend()
     if bench_lib.reference_blas_only(backend):

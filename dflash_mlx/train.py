@@ -256,34 +256,18 @@ def train_draft(
     on_step=None,
 ) -> List[float]:
     """Train (or resume training) a draft for ``target`` and write it in z-lab's layout to ``out``."""
-    from .loading import load_draft
-
+    if config.labels not in ("target", "corpus"):
+        raise ValueError(f"labels must be 'target' or 'corpus', got {config.labels!r}")
     mx.random.seed(config.seed)  # before the draft exists: its initialisation is part of the run
-    state_file = out / STATE_DIR / "state.json"
-    optimizer_file = out / STATE_DIR / "optimizer.safetensors"
+    checkpoint = _Checkpoint(out)
     if resume:
-        if not state_file.exists():
-            raise ValueError(f"nothing to resume in {out} (no {STATE_DIR}/state.json)")
-        draft, draft_config = load_draft(out)
-        state = json.loads(state_file.read_text())
+        draft, draft_config, state = checkpoint.load()
+        draft.bind(target)
     else:
-        if mask_token_id is None:
-            mask_token_id = target.args.vocab_size - 1
-            if mask_token_id < len(tokenizer._tokenizer if hasattr(tokenizer, "_tokenizer") else tokenizer):
-                raise ValueError(
-                    "the target's embedding has no free row past its tokenizer for the mask token; "
-                    "pass --mask-token-id with an id the tokenizer never produces"
-                )
-        if init not in ("random", "content-match"):
-            raise ValueError(f"init must be 'random' or 'content-match', got {init!r}")
-        draft_config = new_draft_config(target, num_layers, config.block_size, mask_token_id, taps, block_only_layers, causal)
-        draft = DFlashDraft(DraftArgs.from_dict(draft_config))
+        draft, draft_config = _new_draft(target, tokenizer, config, num_layers, mask_token_id, taps,
+                                         block_only_layers, causal, init)
         state = {"step": 0, "losses": []}
-    draft.bind(target)
-    if not resume and init == "content-match":
-        content_match_init(draft, target)
-    if draft.block_size != config.block_size:
-        config.block_size = draft.block_size
+    config.block_size = draft.block_size
     # The windows and anchors come from this generator alone: a resume restores its state, so that
     # the run continues with the batches an uninterrupted one would have drawn.
     rng = np.random.default_rng(config.seed)
@@ -291,17 +275,9 @@ def train_draft(
         rng.bit_generator.state = state["rng"]
     elif state["step"]:  # saved before the generator's state was kept
         rng = np.random.default_rng(config.seed + state["step"])
-    schedule = optim.join_schedules(
-        [optim.linear_schedule(1e-7, config.learning_rate, max(config.warmup, 1)),
-         optim.cosine_decay(config.learning_rate, max(config.steps - config.warmup, 1), config.learning_rate * 0.1)],
-        [max(config.warmup, 1)],
-    )
-    optimizer = optim.AdamW(learning_rate=schedule, weight_decay=config.weight_decay)
-    if resume and optimizer_file.exists():
-        optimizer.state = tree_unflatten(list(mx.load(str(optimizer_file)).items()))
-    taps = draft.target_layer_ids
-    if config.labels not in ("target", "corpus"):
-        raise ValueError(f"labels must be 'target' or 'corpus', got {config.labels!r}")
+    optimizer = _optimizer(config)
+    if resume:
+        checkpoint.restore_optimizer(optimizer)
     loss_and_grad = nn.value_and_grad(draft, lambda f, t, y, a: dflash_loss(draft, f, t, y, a, config.decay_gamma))
     losses = list(state["losses"])
     if config.answers_only:
@@ -310,13 +286,12 @@ def train_draft(
         data = batches(corpus_tokens(corpus, tokenizer), config, rng)
     while state["step"] < config.steps:
         tokens, anchors = next(data)
-        logits, features = target.forward(tokens[None], taps=taps)
-        features = mx.stop_gradient(features)
+        logits, features = target.forward(tokens[None], taps=draft.target_layer_ids)
         if config.labels == "target":  # position p gets the target's choice after tokens[:p]
             labels = mx.concatenate([tokens[:1], mx.argmax(logits[0, :-1], axis=-1).astype(tokens.dtype)])
         else:
             labels = tokens
-        loss, grads = loss_and_grad(features, tokens, labels, anchors)
+        loss, grads = loss_and_grad(mx.stop_gradient(features), tokens, labels, anchors)
         optimizer.update(draft, grads)
         mx.eval(loss, draft.parameters(), optimizer.state)
         state["step"] += 1
@@ -324,12 +299,65 @@ def train_draft(
         if on_step is not None:
             on_step(state["step"], float(loss))
         if state["step"] % config.save_every == 0 or state["step"] == config.steps:
-            state["losses"] = losses
-            state["rng"] = rng.bit_generator.state
-            save_draft(draft, draft_config, out)
-            state_file.parent.mkdir(exist_ok=True)
-            mx.save_safetensors(str(optimizer_file), dict(tree_flatten(optimizer.state)))
-            state_file.write_text(json.dumps(state))
+            checkpoint.save(draft, draft_config, optimizer, {**state, "losses": losses, "rng": rng.bit_generator.state})
     if not math.isfinite(losses[-1] if losses else 0.0):
         raise RuntimeError("training diverged (loss is not finite); lower --learning-rate")
     return losses
+
+
+def _new_draft(target, tokenizer, config: TrainConfig, num_layers, mask_token_id, taps, block_only_layers, causal, init):
+    """A fresh draft bound to ``target`` and its config (the mask id defaults to the first
+    embedding row past the tokenizer)."""
+    if init not in ("random", "content-match"):
+        raise ValueError(f"init must be 'random' or 'content-match', got {init!r}")
+    if mask_token_id is None:
+        mask_token_id = target.args.vocab_size - 1
+        if mask_token_id < len(tokenizer._tokenizer if hasattr(tokenizer, "_tokenizer") else tokenizer):
+            raise ValueError(
+                "the target's embedding has no free row past its tokenizer for the mask token; "
+                "pass --mask-token-id with an id the tokenizer never produces"
+            )
+    draft_config = new_draft_config(target, num_layers, config.block_size, mask_token_id, taps, block_only_layers, causal)
+    draft = DFlashDraft(DraftArgs.from_dict(draft_config)).bind(target)
+    if init == "content-match":
+        content_match_init(draft, target)
+    return draft, draft_config
+
+
+def _optimizer(config: TrainConfig) -> optim.Optimizer:
+    """AdamW with a linear warm-up and a cosine decay to a tenth of the rate."""
+    warmup = max(config.warmup, 1)
+    schedule = optim.join_schedules(
+        [optim.linear_schedule(1e-7, config.learning_rate, warmup),
+         optim.cosine_decay(config.learning_rate, max(config.steps - config.warmup, 1), config.learning_rate * 0.1)],
+        [warmup],
+    )
+    return optim.AdamW(learning_rate=schedule, weight_decay=config.weight_decay)
+
+
+class _Checkpoint:
+    """A training run's folder: the draft in z-lab's layout, and under ``STATE_DIR`` the step,
+    the losses, the batch generator's state and the optimizer's."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.state_file = out / STATE_DIR / "state.json"
+        self.optimizer_file = out / STATE_DIR / "optimizer.safetensors"
+
+    def load(self):
+        from .loading import load_draft
+
+        if not self.state_file.exists():
+            raise ValueError(f"nothing to resume in {self.out} (no {STATE_DIR}/state.json)")
+        draft, draft_config = load_draft(self.out)
+        return draft, draft_config, json.loads(self.state_file.read_text())
+
+    def restore_optimizer(self, optimizer: optim.Optimizer) -> None:
+        if self.optimizer_file.exists():
+            optimizer.state = tree_unflatten(list(mx.load(str(self.optimizer_file)).items()))
+
+    def save(self, draft, draft_config, optimizer: optim.Optimizer, state: dict) -> None:
+        save_draft(draft, draft_config, self.out)
+        self.state_file.parent.mkdir(exist_ok=True)
+        mx.save_safetensors(str(self.optimizer_file), dict(tree_flatten(optimizer.state)))
+        self.state_file.write_text(json.dumps(state))
