@@ -14,6 +14,8 @@ _EXPORTS = {
     "stream_generate": "api",
     "DFlashModel": "api",
     "GenerationResponse": "api",
+    "PromptCache": "prompt_cache",
+    "PromptCachePool": "prompt_cache",
     "Sampler": "sampling",
     "make_sampler": "sampling",
     "convert_draft": "convert",

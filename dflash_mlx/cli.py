@@ -251,7 +251,7 @@ def bench(
         console.print(
             "[dim]MLX ran on the CPU with the reference BLAS its wheel bundles: a verify block "
             "pays every row's products in full. An optimised BLAS makes that cheap, e.g. "
-            "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 (see the README).[/dim]"
+            "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 (see docs/benchmarks.md).[/dim]"
         )
     meta = dict(
         target=str(loaded.target_path), draft=str(loaded.draft_path), draft_quant=draft_quant, blocks=blocks,

@@ -178,10 +178,19 @@ def _load_weights(model: nn.Module, weights: Dict[str, mx.array], path: Path) ->
     return model
 
 
+def draft_class(args: "dflash_model.DraftArgs"):
+    """DFlash or DFlash2, as the config's ``architectures`` says."""
+    if args.architecture == "DFlash2DraftModel":
+        from .models.dflash2 import DFlash2Draft
+
+        return DFlash2Draft
+    return dflash_model.DFlashDraft
+
+
 def load_draft(path: Path) -> Tuple[dflash_model.DFlashDraft, Dict[str, Any]]:
     config = read_config(path)
     args = dflash_model.DraftArgs.from_dict(config)
-    model = dflash_model.DFlashDraft(args)
+    model = draft_class(args)(args)
     weights = model.sanitize(read_weights(path))
     quantization = mlx_quantization(config)
     if quantization:

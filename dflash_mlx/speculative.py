@@ -22,7 +22,9 @@ from .block_policy import BlockChooser, BlockTokens, FixedBlock
 from .cache import cache_arrays, restore, rollback, snapshot
 from .models.dflash import DFlashDraft
 from .models.qwen3_5 import Model as Target
-from .sampling import Sampler, accept, propose
+from .sampling import Sampler, accept
+
+GREEDY = Sampler()  # shadows grade drafts by greedy tokens
 
 
 @dataclass
@@ -191,12 +193,12 @@ def speculative(
         handed_off = hand_off_pending() if block > 1 or ahead else 0
         undo = snapshot(cache)
         if block == 1:  # a plain step; a shadow drafts alongside, unverified (the next tokens grade it)
-            shadow = mx.argmax(draft(mx.concatenate([token, masks[ahead + 1]])[None], draft_cache)[0], axis=-1) if ahead else None
+            shadow = draft.propose(mx.concatenate([token, masks[ahead + 1]]), draft_cache, GREEDY)[0] if ahead else None
             logits, features = target.forward(token[None], cache, taps)
             next_token = sampler(logits[0, -1])
             mx.async_eval(next_token, features, *([shadow] if ahead else []))
             return _Cycle(1, logits[0], features, next_token, undo, handed_off, shadow=shadow)
-        drafted, draft_probs = propose(draft(mx.concatenate([token, masks[block]])[None], draft_cache)[0], sampler)
+        drafted, draft_probs = draft.propose(mx.concatenate([token, masks[block]]), draft_cache, sampler)
         mx.async_eval(drafted, draft_probs)  # the draft runs while Python builds the verify graph
         verify_in = mx.concatenate([token, drafted.astype(token.dtype)])
         logits, features = target.forward(verify_in[None], cache, taps, record_tape=True)
@@ -236,4 +238,5 @@ def speculative(
         chooser.observe(block=cycle.block, accepted=commit.accepted, seconds=now - started, committed=commit.tokens,
                         proposals=cycle.shadow.tolist() if cycle.shadow is not None else [], handed_off=cycle.handed_off)
         token = cycle.next_token.reshape(1)
+    hand_off_pending()  # a finished stream leaves the draft's cache level with the target's
     yield commit

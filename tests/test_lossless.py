@@ -12,7 +12,7 @@ import pytest
 from dflash_mlx.block_policy import AutoBlock, BlockStats
 from dflash_mlx.cache import GatedDeltaCache
 from dflash_mlx.models.dflash import quantize_draft
-from dflash_mlx.sampling import Sampler
+from dflash_mlx.sampling import Sampler, propose
 from dflash_mlx.speculative import speculative, target_only
 from tests.conftest import VOCAB, make_draft, random_prompts
 
@@ -75,6 +75,9 @@ class OracleDraft:
         if wrong < n:
             want[wrong] = (want[wrong] + 1) % (VOCAB - 1)
         return (10.0 * mx.eye(VOCAB)[mx.array(want)])[None]
+
+    def propose(self, block, cache, sampler):
+        return propose(self(block[None], cache)[0], sampler)
 
 
 @pytest.fixture(scope="module")
@@ -363,5 +366,14 @@ def test_the_draft_sees_every_committed_token_across_plain_steps(target, draft, 
         committed = stop_after(stream, cycles)
         assert cache[0].offset == prompts[0].size + len(committed) - 1, f"cycle {cycles}"
         assert all(c.offset == cache[0].offset for c in draft_cache), f"cycle {cycles}"
+    for max_tokens in range(2, 40, 5):  # streams that end by themselves, some right after plain steps
+        cache, draft_cache = target.make_cache(), draft.make_cache()
+        blocks = ScriptedBlock(changing_blocks(16))
+        commits = list(speculative(target, draft, prompts[0], GREEDY, block_tokens=blocks, cache=cache,
+                                   draft_cache=draft_cache, max_tokens=max_tokens))
+        committed = sum(len(c.tokens) for c in commits)
+        assert committed >= max_tokens and committed - len(commits[-1].tokens) < max_tokens
+        assert cache[0].offset == prompts[0].size + committed - 1, f"max_tokens {max_tokens}"
+        assert all(c.offset == cache[0].offset for c in draft_cache), f"max_tokens {max_tokens}"
 
 

@@ -346,3 +346,15 @@ def test_editor_examples_work_against_the_server(server):
     zed = (ROOT / "examples/editors/zed-settings.json").read_text()
     zed = json.loads("\n".join(line for line in zed.splitlines() if not line.lstrip().startswith("//")))
     assert zed["language_models"]["openai_compatible"]["dflash-mlx"]["api_url"] == "http://127.0.0.1:8080/v1"
+
+
+def test_two_alternating_clients_both_reuse_their_caches(client):
+    """A chat client and an autocomplete client take turns: neither wipes the other's cache."""
+    conversation = " ".join(f"chat line {i}: note {i * 3}" for i in range(10))
+    source = [int(t) for t in np.random.default_rng(5).integers(3, 400, 120)]
+    for round in range(3):
+        reply = chat(client, conversation, max_tokens=4)
+        completion = client.completions.create(model="tiny", prompt=source, max_tokens=4, temperature=0)
+        if round:  # each resends its own context: all but the last prompt token comes from its history
+            assert reply.usage.prompt_tokens_details.cached_tokens == reply.usage.prompt_tokens - 1
+            assert completion.usage.prompt_tokens_details.cached_tokens == len(source) - 1

@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import quantized
+from ..sampling import Sampler, propose
 from .layers import MLP
 
 
@@ -62,6 +63,15 @@ class DraftArgs:
     is_causal: Optional[bool] = None
     attention_bias: bool = False
     vocab_size: Optional[int] = None
+    # DFlash2 (``DFlash2DraftModel``; 0 turns a part off) and both kinds' optional output scaling.
+    architecture: str = "DFlashDraftModel"
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: Optional[float] = None
+    input_embedding_scale: float = 1.0
 
     def __post_init__(self):
         if not self.layer_types:
@@ -100,7 +110,14 @@ class DraftArgs:
             rope_scaling=rope if rope_type not in ("default", None) else None,
             layer_types=list(config.get("layer_types") or []),
             is_causal=dflash.get("is_causal", config.get("is_causal")),
+            architecture="DFlash2DraftModel" if "DFlash2DraftModel" in (config.get("architectures") or []) else "DFlashDraftModel",
         )
+        for name, kind in (("conv_kernel_size", int), ("conv_group_size", int), ("selector_rank", int),
+                           ("selector_top_k", int), ("output_multiplier", float), ("input_embedding_scale", float),
+                           ("final_logit_softcapping", float)):
+            value = dflash.get(name, config.get(name))
+            if value is not None:
+                params[name] = kind(value)
         if params.get("head_dim") is None:
             params["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
         return cls(**params)
@@ -109,7 +126,7 @@ class DraftArgs:
         """The one schema every draft we write uses: z-lab's nested one, with what its loaders
         require (``is_causal`` at the top level, ``num_target_layers``)."""
         config = {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": [self.architecture],
             "model_type": "qwen3",
             "num_target_layers": num_target_layers,
             "hidden_size": self.hidden_size,
@@ -135,6 +152,11 @@ class DraftArgs:
             config["is_causal"] = self.is_causal
         if self.vocab_size is not None:
             config["vocab_size"] = self.vocab_size
+        defaults = DraftArgs(1, 1, 1, 1, 1, 1, 0)
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "output_multiplier",
+                     "final_logit_softcapping", "input_embedding_scale"):
+            if getattr(self, name) != getattr(defaults, name):
+                config["dflash_config"][name] = getattr(self, name)
         return config
 
 
@@ -326,8 +348,23 @@ class DraftLayer(nn.Module):
 
     def __call__(self, x, rope, cache):
         before, after = self._compiled(rope)
-        q, k, v = before(x, mx.array(cache.offset))
-        return after(x, self.self_attn.block_heads(q, k, v, cache))
+        q, k, v, *carry = before(x, mx.array(cache.offset))
+        return after(x, self.self_attn.block_heads(q, k, v, cache), *carry)
+
+    def _functions(self, rope):
+        """The work before the attention (``x, offset -> q, k, v, *carry``) and after it
+        (``x, heads, *carry -> x``); a DFlash2 layer wraps both in its convolutions."""
+        attn = self.self_attn
+
+        def before(x, offset):
+            q, k, v = attn.project(self.input_layernorm(x))
+            return rope(q, offset=offset), rope(k, offset=offset), v
+
+        def after(x, heads):
+            h = x + attn.output(heads)
+            return h + self.mlp(self.post_attention_layernorm(h))
+
+        return before, after
 
     def _compiled(self, rope):
         """The work on either side of the attention, compiled (fixed shapes, weights as inputs).
@@ -336,16 +373,7 @@ class DraftLayer(nn.Module):
         RoPE and activations removes most of the draft's operations. The attention itself stays
         outside: its key count grows every cycle."""
         if self._before_attention is None:
-            attn = self.self_attn
-
-            def before(x, offset):
-                q, k, v = attn.project(self.input_layernorm(x))
-                return rope(q, offset=offset), rope(k, offset=offset), v
-
-            def after(x, heads):
-                h = x + attn.output(heads)
-                return h + self.mlp(self.post_attention_layernorm(h))
-
+            before, after = self._functions(rope)
             if self.eager:
                 self._before_attention, self._after_attention = before, after
             else:
@@ -361,13 +389,15 @@ def _in_features(linear: nn.Module) -> int:
 
 
 class DFlashDraft(nn.Module):
+    layer_class = DraftLayer  # DFlash2 drafts wrap each sublayer in convolutions (models/dflash2.py)
+
     def __init__(self, args: DraftArgs):
         super().__init__()
         self.args = args
         n_taps = len(args.target_layer_ids) if args.target_layer_ids else args.num_hidden_layers
         self.fc = nn.Linear(n_taps * args.hidden_size, args.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.layers = [DraftLayer(args, t) for t in args.layer_types]
+        self.layers = [self.layer_class(args, t) for t in args.layer_types]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         if args.rope_scaling:
             from mlx_lm.models.rope_utils import initialize_rope
@@ -452,16 +482,35 @@ class DFlashDraft(nn.Module):
         for layer, c in zip(self.layers, cache):
             layer.self_attn.add_context(ctx, self.rope, c)
 
-    def __call__(self, block: mx.array, cache: List[ContextCache]) -> mx.array:
-        """Logits [B, L-1, V] for block slots 1.. (``[t_last, MASK, ...]``), one pass."""
+    def hidden(self, block: mx.array, cache: List[ContextCache]) -> mx.array:
+        """Final-normed states [B, L-1, H] of block slots 1.. (``[t_last, MASK, ...]``), one pass."""
         if self._embed is None:
             raise RuntimeError("bind(target) the draft before using it")
         x = self._embed(block)
+        if self.args.input_embedding_scale != 1.0:
+            x = x * self.args.input_embedding_scale
         if self.activation_dtype is not None:
             x = x.astype(self.activation_dtype)
         for layer, c in zip(self.layers, cache):
             x = layer(x, self.rope, c)
-        return self._head(self.norm(x[:, 1:]))
+        return self.norm(x[:, 1:])
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """The target's head on draft states, with the config's multiplier and soft cap."""
+        logits = self._head(hidden)
+        if self.args.output_multiplier != 1.0:
+            logits = logits * self.args.output_multiplier
+        cap = self.args.final_logit_softcapping
+        return mx.tanh(logits / cap) * cap if cap else logits
+
+    def __call__(self, block: mx.array, cache: List[ContextCache]) -> mx.array:
+        """Logits [B, L-1, V] for block slots 1.. (``[t_last, MASK, ...]``), one pass."""
+        return self.logits(self.hidden(block, cache))
+
+    def propose(self, block: mx.array, cache: List[ContextCache], sampler: Sampler) -> Tuple[mx.array, Optional[mx.array]]:
+        """Proposals [L-1] for a block [L], and (sampling) the distributions [L-1, V] they were
+        drawn from, which rejection sampling needs."""
+        return propose(self(block[None], cache)[0], sampler)
 
     def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
         out = {}

@@ -1,0 +1,148 @@
+"""DFlash2 drafts: the grouped dynamic convolution, parity with z-lab's reference on the published
+layout, and lossless decoding (greedy at blocks 2..8, sampling with the selector's sparse q)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dflash_mlx import loading, tiny
+from dflash_mlx import speculative as loop
+from dflash_mlx.models.dflash2 import DFlash2Draft, grouped_dynamic_convolve
+from dflash_mlx.sampling import Sampler
+from tests import test_sampling
+from tests.conftest import VOCAB, make_hf_target, random_prompts
+from tests.test_interop import zlab_load
+from tests.test_lossless import assert_lossless, take
+
+GREEDY = Sampler()
+
+
+def write_dflash2(path, target_config, seed=3, **kwargs):
+    tiny.write_dflash2_draft(path, tiny.dflash2_config(target_config, **kwargs), seed=seed)
+    return path
+
+
+@pytest.fixture(scope="module")
+def dflash2_dir(tmp_path_factory, target_config):
+    return write_dflash2(tmp_path_factory.mktemp("dflash2"), target_config, block_size=8)
+
+
+@pytest.fixture(scope="module")
+def dflash2(dflash2_dir, target):
+    draft, _ = loading.load_draft(dflash2_dir)
+    return draft.bind(target)
+
+
+def test_grouped_dynamic_convolution_matches_a_scalar_loop():
+    rng = np.random.default_rng(0)
+    B, L, H, K, G = 2, 5, 8, 3, 4
+    x, dynamic, base = rng.standard_normal((B, L, H)), rng.standard_normal((B, L, K, H // G)), rng.standard_normal((K, H))
+    expected = np.zeros((B, L, H))
+    for b in range(B):
+        for i in range(L):
+            for c in range(H):
+                for t in range(K):
+                    if i - t >= 0:
+                        expected[b, i, c] += (base[t, c] + dynamic[b, i, t, c // G]) * x[b, i - t, c]
+    got = grouped_dynamic_convolve(*(mx.array(a.astype(np.float32)) for a in (x, dynamic, base)), G)
+    np.testing.assert_allclose(np.array(got), expected, atol=1e-5)
+
+
+def test_the_published_layout_loads_as_dflash2(dflash2, dflash2_dir):
+    assert isinstance(dflash2, DFlash2Draft) and dflash2.block_size == 8
+    assert all(layer.self_attn.sliding_window == 64 and not layer.self_attn.is_causal for layer in dflash2.layers)
+    from safetensors.numpy import load_file
+
+    stored = load_file(str(dflash2_dir / "model.safetensors"))
+    assert "candidate_selector.successor_codebook" in stored  # no ".weight", as z-lab stores it
+    np.testing.assert_array_equal(np.array(dflash2.candidate_selector.successor_codebook.weight),
+                                  stored["candidate_selector.successor_codebook"])
+
+
+def _context(target, draft):
+    prompt = mx.array([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38]])
+    _, features = target.forward(prompt, taps=draft.target_layer_ids)
+    cache = draft.make_cache()
+    draft.add_context(features, cache)
+    return features, cache, mx.array([26] + [draft.mask_token_id] * (draft.block_size - 1))
+
+
+def test_proposals_equal_zlabs_reference(dflash2_dir, dflash2, target, monkeypatch):
+    """z-lab's MLX ``DFlash2DraftModel`` on the same weights, context and block: the same logits, the
+    same greedy walk, and under sampling the same sparse q along the same walk."""
+    reference = zlab_load(dflash2_dir, monkeypatch).bind(target)
+    assert type(reference).__name__ == "DFlash2DraftModel"
+    features, cache, block = _context(target, dflash2)
+    theirs = reference(block[None], features, reference.make_cache(), logits_start=1)
+    np.testing.assert_allclose(np.array(dflash2(block[None], cache)), np.array(theirs), atol=1e-4, rtol=1e-4)
+    mine, _ = dflash2.propose(block, cache, GREEDY)
+    walk, _, _ = reference.propose(block[None], features, reference.make_cache(), 0.0, logits_start=1)
+    assert mine.tolist() == walk[0].tolist()
+    for seed, temperature in ((0, 1.0), (1, 0.7)):
+        mx.random.seed(seed)
+        walk, candidates, q = reference.propose(block[None], features, reference.make_cache(), temperature, logits_start=1)
+        hidden = dflash2.hidden(block[None], cache)
+        _, my_candidates, my_q = dflash2.candidate_selector.select(hidden, dflash2.logits(hidden), block[None, 0],
+                                                                   temperature, path=walk)
+        for slot in range(block.size - 1):
+            want = dict(zip(candidates[0, slot].tolist(), q[0, slot].tolist()))
+            got = dict(zip(my_candidates[0, slot].tolist(), my_q[0, slot].tolist()))
+            assert want.keys() == got.keys(), slot
+            np.testing.assert_allclose([got[k] for k in want], list(want.values()), atol=1e-5)
+
+
+def test_the_dense_q_is_the_sparse_one_scattered(dflash2, target):
+    _, cache, block = _context(target, dflash2)
+    mx.random.seed(3)
+    tokens, dense = dflash2.propose(block, cache, Sampler(temperature=0.9))
+    assert dense.shape == (block.size - 1, VOCAB)
+    np.testing.assert_allclose(np.array(dense.sum(axis=-1)), 1.0, atol=1e-5)
+    support = (np.array(dense) > 0).sum(axis=-1)
+    assert (support <= dflash2.candidate_selector.top_k).all()
+    assert all(np.array(dense)[i, t] > 0 for i, t in enumerate(tokens.tolist()))  # drawn from its own q
+
+
+@pytest.mark.parametrize("block", range(2, 9))
+def test_greedy_dflash2_is_lossless_at_every_block(target, dflash2, block):
+    for prompt in random_prompts(4, VOCAB, seed=block):
+        expected, _ = take(loop.target_only(target, prompt, GREEDY), 24)
+        got, _ = take(loop.speculative(target, dflash2, prompt, GREEDY, block_tokens=block), 24)
+        assert_lossless(target, prompt, expected, got)
+
+
+@pytest.fixture(scope="module")
+def small_dflash2_pair(tmp_path_factory):
+    """The sampling test's 8-token vocabulary, with a DFlash2 draft (4 candidates of 8)."""
+    path = make_hf_target(tmp_path_factory.mktemp("small_target2"), vocab_size=test_sampling.V, seed=11)
+    target, config = loading.load_target(path)
+    folder = write_dflash2(tmp_path_factory.mktemp("small_dflash2"), config, seed=12, block_size=4,
+                           conv_group_size=8, selector_rank=8, selector_top_k=4)
+    draft, _ = loading.load_draft(folder)
+    return target, draft.bind(target)
+
+
+def test_sampling_with_the_sparse_q_follows_the_target(small_dflash2_pair):
+    target, draft = small_dflash2_pair
+    sampler = test_sampling.SAMPLERS[0]
+    counts = test_sampling.sampled_joint(target, draft, sampler, seed=0)
+    pvalue = test_sampling.goodness_of_fit(counts, test_sampling.exact_joint(target, sampler))
+    assert pvalue > 1e-3, f"DFlash2 samples do not follow the target (chi-square p={pvalue:.2g})"
+
+
+def test_a_wrong_q_is_caught(small_dflash2_pair, monkeypatch):
+    """Negative control: the rejection rule told a q the tokens were not drawn from (sharpened)."""
+    target, draft = small_dflash2_pair
+    real = DFlash2Draft.propose
+
+    def sharpened(self, block, cache, sampler):
+        tokens, q = real(self, block, cache, sampler)
+        wrong = q**4
+        return tokens, wrong / wrong.sum(axis=-1, keepdims=True)
+
+    monkeypatch.setattr(DFlash2Draft, "propose", sharpened)
+    sampler = test_sampling.SAMPLERS[0]
+    counts = test_sampling.sampled_joint(target, draft, sampler, seed=0)
+    pvalue = test_sampling.goodness_of_fit(counts, test_sampling.exact_joint(target, sampler))
+    assert pvalue < 1e-4, f"the test cannot tell a wrong q apart (p={pvalue:.2g})"
