@@ -163,6 +163,7 @@ def generate(
         generation_tps=last.generation_tps, peak_memory_gb=last.peak_memory, finish_reason=last.finish_reason,
         cycles=last.cycles, tokens_per_cycle=last.tokens_per_cycle, acceptance_rate=last.acceptance_rate,
         block_tokens=str(setting), block_histogram={str(b): n for b, n in sorted(last.block_histogram.items())},
+        draft=loaded.draft.kind if loaded.draft is not None else None,
     )
     if as_json:
         print(json.dumps({"text": text, "tokens": tokens, **stats}))
@@ -254,7 +255,7 @@ def bench(
             "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 (see docs/benchmarks.md).[/dim]"
         )
     meta = dict(
-        target=str(loaded.target_path), draft=str(loaded.draft_path), draft_quant=draft_quant, blocks=blocks,
+        target=str(loaded.target_path), draft=str(loaded.draft_path), draft_kind=loaded.draft.kind, draft_quant=draft_quant, blocks=blocks,
         contexts=contexts, max_tokens=max_tokens, repeats=repeats, date=time.strftime("%Y-%m-%d %H:%M:%S"),
         backend=backend, **sampling,
     )

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from . import loading
 from .models.dflash import DraftArgs, quantize_draft, resolve_taps
@@ -110,6 +109,16 @@ def check_pair(draft_config: Dict, target_dir: Path, base_tokenizer_dir: Optiona
     target = _text_config(loading.read_config(target_dir))
     args = DraftArgs.from_dict(draft_config)
     hidden, layers, rows = target["hidden_size"], target["num_hidden_layers"], target["vocab_size"]
+    if args.architecture == "DFlash2DraftModel":
+        report.record("kind", True, f"DFlash2: selector top-{args.selector_top_k} at rank {args.selector_rank}, "
+                      f"convolutions of {args.conv_kernel_size} taps in groups of {args.conv_group_size}")
+        report.record(
+            "selector codebooks cover the vocabulary", args.vocab_size == rows,
+            f"codebooks have {args.vocab_size} rows, target embedding {rows}"
+            + ("" if args.vocab_size == rows else ": the selector would index past its codebooks"),
+        )
+    else:
+        report.record("kind", True, "DFlash")
     report.record(
         "hidden_size", args.hidden_size == hidden,
         f"draft hidden_size {args.hidden_size}, target {hidden}"
@@ -251,7 +260,7 @@ def convert_draft(
     if quantization:
         config["quantization"] = quantization
     with _staging(output, force) as staging:
-        mx.save_safetensors(str(staging / "model.safetensors"), dict(tree_flatten(model.parameters())))
+        mx.save_safetensors(str(staging / "model.safetensors"), model.layout_weights())
         (staging / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
         for name in TOKENIZER_FILES:
             if name != "config.json" and (target_dir / name).exists():

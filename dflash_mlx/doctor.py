@@ -248,6 +248,15 @@ def diagnose(model: Optional[str] = None, draft: Optional[str] = None, draft_qua
                    text.get("linear_value_head_dim", 128), text.get("linear_num_value_heads", 32))]
     _check_kernels(report, metal, shapes)
 
+    if draft_dir is not None:
+        from .loading import read_config
+        from .models.dflash import DraftArgs
+
+        draft_args = DraftArgs.from_dict(read_config(draft_dir))
+        kind = "DFlash2" if draft_args.architecture == "DFlash2DraftModel" else "DFlash"
+        report.add("draft", INFO, f"{kind}, block {draft_args.block_size}, {draft_args.num_hidden_layers} layers"
+                   + (f", candidate selector top-{draft_args.selector_top_k} (its codebooks are counted in the draft's weights)"
+                      if kind == "DFlash2" else ""))
     if target_dir is not None:
         dtype = device_lib.draft_activation_dtype(facts)
         report.memory = estimate_memory(target_dir, draft_dir, draft_quant, context, draft_dtype=dtype)

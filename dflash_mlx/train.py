@@ -235,8 +235,7 @@ def batches(ids: np.ndarray, config: TrainConfig, rng: np.random.Generator) -> I
 
 def save_draft(draft: DFlashDraft, config: Dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    weights = {k: v for k, v in tree_flatten(draft.parameters())}
-    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    mx.save_safetensors(str(out / "model.safetensors"), draft.layout_weights())
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 

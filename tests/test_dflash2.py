@@ -146,3 +146,76 @@ def test_a_wrong_q_is_caught(small_dflash2_pair, monkeypatch):
     counts = test_sampling.sampled_joint(target, draft, sampler, seed=0)
     pvalue = test_sampling.goodness_of_fit(counts, test_sampling.exact_joint(target, sampler))
     assert pvalue < 1e-4, f"the test cannot tell a wrong q apart (p={pvalue:.2g})"
+
+
+def test_the_converter_writes_dflash2_drafts_that_zlab_reads(dflash2_dir, target, target_config, tmp_path, monkeypatch,
+                                                              hf_target_dir):
+    """`convert` says what the draft is, keeps its selector and convolutions, and writes z-lab's
+    layout (codebooks without ``.weight``): z-lab's loader proposes the same walk from it."""
+    from dflash_mlx.convert import convert_draft
+
+    out, report = convert_draft(tmp_path / "out", draft=str(dflash2_dir), target=str(hf_target_dir), base_tokenizer=None)
+    checks = {c["check"]: c for c in report.checks}
+    assert checks["kind"]["detail"].startswith("DFlash2") and checks["selector codebooks cover the vocabulary"]["status"] == "ok"
+    converted, config = loading.load_draft(out)
+    assert isinstance(converted, DFlash2Draft) and config["architectures"] == ["DFlash2DraftModel"]
+    assert config["dflash_config"]["selector_top_k"] == tiny.dflash2_config(target_config)["dflash_config"]["selector_top_k"]
+    converted.bind(target)
+    reference = zlab_load(out, monkeypatch).bind(target)
+    features, cache, block = _context(target, converted)
+    mine, _ = converted.propose(block, cache, GREEDY)
+    walk, _, _ = reference.propose(block[None], features, reference.make_cache(), 0.0, logits_start=1)
+    assert mine.tolist() == walk[0].tolist()
+
+
+def test_a_dflash2_draft_whose_codebooks_miss_tokens_is_refused(tmp_path, target_config, hf_target_dir):
+    from dflash_mlx.convert import ConversionError, convert_draft
+
+    small = dict(target_config, vocab_size=target_config["vocab_size"] // 2)
+    folder = write_dflash2(tmp_path / "half", small)
+    config = (folder / "config.json")
+    import json
+
+    data = json.loads(config.read_text())
+    data["dflash_config"]["mask_token_id"] = 3
+    config.write_text(json.dumps(data))
+    with pytest.raises(ConversionError, match="codebooks have 256 rows, target embedding 512"):
+        convert_draft(tmp_path / "out", draft=str(folder), target=str(hf_target_dir), base_tokenizer=None)
+    assert not (tmp_path / "out").exists()
+
+
+def test_quantized_dflash2_drafts_stay_lossless_and_keep_their_codebooks(dflash2_dir, target):
+    from dflash_mlx.models.dflash import quantize_draft
+
+    draft, _ = loading.load_draft(dflash2_dir)
+    quantize_draft(draft.bind(target), "w4:gs32")
+    import mlx.nn as nn
+
+    assert type(draft.candidate_selector.successor_codebook) is nn.Embedding  # never quantized
+    assert isinstance(draft.layers[0].attention_conv.kernel_projection, nn.QuantizedLinear)
+    for prompt in random_prompts(3, VOCAB, seed=21):
+        expected, _ = take(loop.target_only(target, prompt, GREEDY), 20)
+        got, _ = take(loop.speculative(target, draft, prompt, GREEDY, block_tokens=8), 20)
+        assert_lossless(target, prompt, expected, got)
+
+
+def test_the_cli_says_which_kind_a_draft_is(dflash2_dir, hf_target_dir):
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "dflash_mlx.cli", "generate", "-m", str(hf_target_dir), "-d", str(dflash2_dir),
+                           "-p", "def f(x):", "--max-tokens", "12", "--block-tokens", "4", "--json", "--no-chat-template"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["draft"] == "DFlash2"
+
+
+def test_the_bench_runs_dflash2_drafts(dflash2, target, hf_target_dir):
+    from dflash_mlx.api import DFlashModel
+    from dflash_mlx.bench import run_all, summarize
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    model = DFlashModel(target, dflash2, target_path=hf_target_dir)
+    runs = run_all(model, load_tokenizer(hf_target_dir), [("code", 0, 0, "def f(x):")], ["4", "auto"], 16, False)
+    assert all(row["identical"] for row in summarize(runs)) and len(runs) == 3

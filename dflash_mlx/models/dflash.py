@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from .. import quantized
 from ..sampling import Sampler, propose
@@ -436,6 +437,15 @@ class DFlashDraft(nn.Module):
     @property
     def block_size(self) -> int:
         return self.args.block_size
+
+    @property
+    def kind(self) -> str:
+        """What the draft is, for reports: ``DFlash`` or ``DFlash2``."""
+        return "DFlash2" if self.args.architecture == "DFlash2DraftModel" else "DFlash"
+
+    def layout_weights(self) -> Dict[str, mx.array]:
+        """The parameters under the names z-lab's layout stores them (what ``sanitize`` reads)."""
+        return dict(tree_flatten(self.parameters()))
 
     @property
     def mask_token_id(self) -> int:

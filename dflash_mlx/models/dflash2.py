@@ -146,6 +146,13 @@ class DFlash2Draft(DFlashDraft):
         dense = mx.put_along_axis(dense, candidates[0], q[0], axis=-1)
         return tokens[0], dense
 
+    def layout_weights(self) -> Dict[str, mx.array]:
+        out = super().layout_weights()
+        for name in CODEBOOKS:
+            key = f"candidate_selector.{name}"
+            out[key] = out.pop(f"{key}.weight")
+        return out
+
     def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
         out = super().sanitize(weights)
         for name in CODEBOOKS:  # stored without ".weight" in z-lab's layout
