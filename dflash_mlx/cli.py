@@ -270,6 +270,19 @@ def bench(
         _fail("greedy DFlash output differed from the target alone: please report this")
 
 
+def served_name(model: Optional[str]) -> str:
+    """The model id clients ask for: the repo id, ``demo``, or a local folder's name."""
+    from . import defaults
+    from .convert import DEFAULT_TARGET
+
+    if model is None:
+        return DEFAULT_TARGET
+    if model == defaults.DEMO:
+        return model
+    path = Path(model).expanduser()
+    return path.name if path.exists() else model
+
+
 @app.command()
 def serve(
     model: Model = None,
@@ -281,7 +294,7 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="DFLASH_MLX_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 endpoints.")] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Cap on tokens generated per request.")] = 4096,
     context_size: Annotated[Optional[int], typer.Option("--context-size", help="Context limit in tokens, prompt and answer together: longer prompts are refused (400), answers stop where the context is full. Default: the target's max_position_embeddings.")] = None,
-    model_name: Annotated[Optional[str], typer.Option("--model-name", help="Model id clients ask for (default: the target folder's name).")] = None,
+    model_name: Annotated[Optional[str], typer.Option("--model-name", help="Model id clients ask for (default: the repo id, 'demo', or the target folder's name).")] = None,
     max_request_bytes: Annotated[int, typer.Option("--max-request-bytes", help="Reject request bodies larger than this.")] = 8 << 20,
     prompt_cache_gb: Annotated[float, typer.Option("--prompt-cache-gb", help="Memory for prefix caches kept between requests (GB): several token histories (a chat, an editor's completions) with their Gated DeltaNet checkpoints; the least recently used go first. The most recent one is always kept.")] = 4.0,
 ) -> None:
@@ -294,7 +307,7 @@ def serve(
         _fail(f"--prompt-cache-gb must not be negative (got {prompt_cache_gb})")
     loaded, tokenizer = _load(model, draft, draft_quant)
     _check_block_tokens((loaded, tokenizer), block_tokens)
-    name = model_name or Path(str(loaded.target_path)).name
+    name = model_name or served_name(model)
     app_ = create_app(
         loaded, tokenizer, name, api_key=api_key, max_tokens_cap=max_tokens, context_limit=context_size,
         max_request_bytes=max_request_bytes, block_tokens=block_tokens, prompt_cache_bytes=int(prompt_cache_gb * 1e9),

@@ -126,7 +126,7 @@ def small_dflash2_pair(tmp_path_factory):
 def test_sampling_with_the_sparse_q_follows_the_target(small_dflash2_pair):
     target, draft = small_dflash2_pair
     sampler = test_sampling.SAMPLERS[0]
-    counts = test_sampling.sampled_joint(target, draft, sampler, seed=0)
+    counts = test_sampling.sampled_joint(target, draft, sampler, seed=0, samples=test_sampling.SAMPLES // 2)
     pvalue = test_sampling.goodness_of_fit(counts, test_sampling.exact_joint(target, sampler))
     assert pvalue > 1e-3, f"DFlash2 samples do not follow the target (chi-square p={pvalue:.2g})"
 
@@ -143,7 +143,7 @@ def test_a_wrong_q_is_caught(small_dflash2_pair, monkeypatch):
 
     monkeypatch.setattr(DFlash2Draft, "propose", sharpened)
     sampler = test_sampling.SAMPLERS[0]
-    counts = test_sampling.sampled_joint(target, draft, sampler, seed=0)
+    counts = test_sampling.sampled_joint(target, draft, sampler, seed=0, samples=test_sampling.SAMPLES // 2)
     pvalue = test_sampling.goodness_of_fit(counts, test_sampling.exact_joint(target, sampler))
     assert pvalue < 1e-4, f"the test cannot tell a wrong q apart (p={pvalue:.2g})"
 

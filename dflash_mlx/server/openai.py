@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..api import GenerationResponse, encode_prompt
 from .engine import ContextFull, Engine, Job, current_engine
 from .errors import APIError, error_body
+from .reasoning import START, ReasoningSplitter, opens_reasoning, thinking_switch
 
 router = APIRouter()
 
@@ -60,6 +61,10 @@ class ChatRequest(SamplingRequest):
     parallel_tool_calls: Optional[bool] = None
     logprobs: Optional[bool] = None
     response_format: Optional[Dict[str, Any]] = None
+    # Thinking on or off: any of the ways clients ask (see reasoning.thinking_switch).
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
+    reasoning: Optional[Dict[str, Any]] = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -116,15 +121,22 @@ async def chat_completions(req: ChatRequest, request: Request, engine: Engine = 
     _unsupported(req)
     messages = [_message_dict(m) for m in req.messages]
     tools = req.tools if req.tools and req.tool_choice != "none" else None
+    template_kwargs = dict(req.chat_template_kwargs or {})
+    thinking = thinking_switch(req.chat_template_kwargs, req.reasoning_effort, req.reasoning)
+    if thinking is not None:
+        template_kwargs["enable_thinking"] = thinking
     try:  # off the event loop: a long conversation takes a while to render and tokenize
         prompt_ids = await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages, tools=tools,
-                                             add_generation_prompt=True, tokenize=True)
+                                             add_generation_prompt=True, tokenize=True, **template_kwargs)
     except Exception as e:
         raise APIError(400, f"cannot apply the chat template to these messages: {e}", param="messages") from e
     opts = options(engine, req, req.max_completion_tokens or req.max_tokens, prompt_ids)
     job = engine.submit(list(prompt_ids), opts)
     include_usage = bool((req.stream_options or {}).get("include_usage"))
-    reply = _Reply("chat.completion", engine.name, engine.tokenizer if tools else None, tools)
+    thinks = START in (engine.tokenizer.chat_template or "")  # a template without thinking: no split
+    opened = thinks and opens_reasoning(engine.tokenizer.decode(list(prompt_ids)[-16:]))
+    reply = _Reply("chat.completion", engine.name, engine.tokenizer if tools else None, tools,
+                   reasoning=lambda: ReasoningSplitter(opened, enabled=thinks))
     if req.stream:
         return StreamingResponse(reply.stream(job, include_usage), media_type="text/event-stream")
     return JSONResponse(await reply.whole(job, request))
@@ -172,6 +184,8 @@ def _message_dict(m: Message) -> Dict[str, Any]:
         out["content"] = "".join(p.get("text", "") for p in out["content"] if p.get("type") == "text")
     if out["role"] == "developer":
         out["role"] = "system"
+    if "reasoning" in out and "reasoning_content" not in out:  # the alias some clients send back
+        out["reasoning_content"] = out.pop("reasoning")
     return out
 
 
@@ -187,8 +201,9 @@ def _fill_in_the_middle(tokenizer, prefix: str, suffix: str) -> str:
 class _Reply:
     """Turns a job's events into OpenAI responses (whole, or as server-sent events)."""
 
-    def __init__(self, kind: str, model: str, tokenizer=None, tools=None):
+    def __init__(self, kind: str, model: str, tokenizer=None, tools=None, reasoning=None):
         self.kind, self.model, self.tokenizer, self.tools = kind, model, tokenizer, tools
+        self.reasoning = reasoning or (lambda: ReasoningSplitter(False, enabled=False))  # a fresh splitter per answer
         self.id = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
 
@@ -249,8 +264,14 @@ class _Reply:
         if self.kind == "text_completion":
             choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
         else:
-            content, calls = self._tool_calls(text)
+            splitter = self.reasoning()
+            thought, answer = splitter.push(text)
+            rest_thought, rest_answer = splitter.flush()
+            thought, answer = thought + rest_thought, answer + rest_answer
+            content, calls = self._tool_calls(answer)
             message = {"role": "assistant", "content": content if content or not calls else None}
+            if thought:
+                message["reasoning_content"] = message["reasoning"] = thought
             if calls:
                 message["tool_calls"], finish = calls, "tool_calls"
             choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
@@ -272,6 +293,7 @@ class _Reply:
     async def stream(self, job: Job, include_usage: bool):
         chat = self.kind == "chat.completion"
         held, last = "", None  # with tools, text from the first tool-call marker on is held back
+        splitter = self.reasoning()
         try:
             if chat:
                 yield self._chunk({"role": "assistant", "content": ""})
@@ -279,13 +301,27 @@ class _Reply:
                 if kind != "token":
                     continue
                 last = r
-                text = r.text
-                if chat and self.tokenizer is not None and (held or self.tokenizer.tool_call_start in text):
+                if not chat:
+                    if r.text:
+                        yield self._chunk(r.text)
+                    continue
+                thought, text = splitter.push(r.text)
+                if thought:
+                    yield self._chunk({"reasoning_content": thought, "reasoning": thought})
+                if self.tokenizer is not None and (held or self.tokenizer.tool_call_start in text):
                     held += text
                     continue
                 if text:
-                    yield self._chunk({"content": text} if chat else text)
+                    yield self._chunk({"content": text})
             finish = last.finish_reason if last else "stop"
+            if chat:
+                thought, text = splitter.flush()
+                if thought:
+                    yield self._chunk({"reasoning_content": thought, "reasoning": thought})
+                if held or (self.tokenizer is not None and self.tokenizer.tool_call_start in text):
+                    held += text
+                elif text:
+                    yield self._chunk({"content": text})
             if held:
                 content, calls = self._tool_calls(held)
                 if content:
