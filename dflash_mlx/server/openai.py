@@ -20,6 +20,9 @@ from ..api import GenerationResponse, encode_prompt
 from .engine import ContextFull, Engine, Job, current_engine
 from .errors import APIError, error_body
 from .reasoning import START, ReasoningSplitter, opens_reasoning, thinking_switch
+from .tool_calls import ToolCall, ToolCallScanner, split_text_and_calls
+
+ARGUMENT_FRAGMENT = 16  # characters of a streamed call's JSON arguments per chunk, as OpenAI streams them
 
 router = APIRouter()
 
@@ -189,6 +192,10 @@ def _message_dict(m: Message) -> Dict[str, Any]:
     return out
 
 
+def _openai_call(call: ToolCall) -> Dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments_json}}
+
+
 def _fill_in_the_middle(tokenizer, prefix: str, suffix: str) -> str:
     """Qwen's FIM prompt: the model writes what goes between prefix and suffix."""
     vocab = tokenizer.get_vocab()
@@ -217,24 +224,9 @@ class _Reply:
         }
 
     def _tool_calls(self, text: str):
-        """Split model output into content and OpenAI tool_calls (mlx-lm's parser for the template)."""
-        tok = self.tokenizer
-        if tok is None or not getattr(tok, "has_tool_calling", False) or tok.tool_call_start not in text:
-            return text, []
-        content, calls = text.split(tok.tool_call_start, 1)[0], []
-        for block in text.split(tok.tool_call_start)[1:]:
-            body = block.split(tok.tool_call_end, 1)[0].strip()
-            try:
-                parsed = tok.tool_parser(body, self.tools)
-            except Exception:
-                return text, []  # not a well-formed call: leave it as text
-            for call in parsed if isinstance(parsed, list) else [parsed]:
-                arguments = call.get("arguments", {})
-                calls.append({
-                    "id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                    "function": {"name": call["name"], "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)},
-                })
-        return content.rstrip(), calls
+        """Split model output into content and OpenAI tool_calls."""
+        content, calls = split_text_and_calls(ToolCallScanner(self.tokenizer, self.tools), text)
+        return (content.rstrip() if calls else content), [_openai_call(c) for c in calls]
 
     async def _events(self, job: Job):
         try:
@@ -290,10 +282,27 @@ class _Reply:
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
 
+    def _chat_deltas(self, thought: str, text: str, scanner: "ToolCallScanner", final: bool = False):
+        if thought:
+            yield self._chunk({"reasoning_content": thought, "reasoning": thought})
+        pieces = scanner.push(text) + (scanner.flush() if final else [])
+        for piece in pieces:
+            if isinstance(piece, str):
+                if not (scanner.calls and not piece.strip()):  # whitespace between calls is not content
+                    yield self._chunk({"content": piece})
+                continue
+            index = piece.index
+            yield self._chunk({"tool_calls": [{"index": index, "id": piece.id, "type": "function",
+                                               "function": {"name": piece.name, "arguments": ""}}]})
+            arguments = piece.arguments_json
+            for start in range(0, len(arguments), ARGUMENT_FRAGMENT):
+                yield self._chunk({"tool_calls": [{"index": index, "function": {"arguments": arguments[start:start + ARGUMENT_FRAGMENT]}}]})
+
     async def stream(self, job: Job, include_usage: bool):
+        """Server-sent events: reasoning deltas, content deltas, and each tool call as soon as its
+        block closes (its id and name, then its arguments in fragments)."""
         chat = self.kind == "chat.completion"
-        held, last = "", None  # with tools, text from the first tool-call marker on is held back
-        splitter = self.reasoning()
+        splitter, scanner, last = self.reasoning(), ToolCallScanner(self.tokenizer, self.tools), None
         try:
             if chat:
                 yield self._chunk({"role": "assistant", "content": ""})
@@ -305,30 +314,13 @@ class _Reply:
                     if r.text:
                         yield self._chunk(r.text)
                     continue
-                thought, text = splitter.push(r.text)
-                if thought:
-                    yield self._chunk({"reasoning_content": thought, "reasoning": thought})
-                if self.tokenizer is not None and (held or self.tokenizer.tool_call_start in text):
-                    held += text
-                    continue
-                if text:
-                    yield self._chunk({"content": text})
+                for chunk in self._chat_deltas(*splitter.push(r.text), scanner):
+                    yield chunk
             finish = last.finish_reason if last else "stop"
             if chat:
-                thought, text = splitter.flush()
-                if thought:
-                    yield self._chunk({"reasoning_content": thought, "reasoning": thought})
-                if held or (self.tokenizer is not None and self.tokenizer.tool_call_start in text):
-                    held += text
-                elif text:
-                    yield self._chunk({"content": text})
-            if held:
-                content, calls = self._tool_calls(held)
-                if content:
-                    yield self._chunk({"content": content})
-                if calls:
-                    deltas = [{**c, "index": i} for i, c in enumerate(calls)]
-                    yield self._chunk({"tool_calls": deltas})
+                for chunk in self._chat_deltas(*splitter.flush(), scanner, final=True):
+                    yield chunk
+                if scanner.calls:
                     finish = "tool_calls"
             yield self._chunk({} if chat else "", finish=finish)
             if include_usage:

@@ -67,7 +67,7 @@ class ReasoningSplitter:
                     reasoning += self.pending[:end]
                     self.pending, self.state, self.strip_after_end = self.pending[end + len(END):], "answer", True
                     continue
-                hold = _partial_suffix(self.pending, END)
+                hold = partial_suffix(self.pending, END)
                 reasoning += self.pending[: len(self.pending) - hold]
                 self.pending = self.pending[len(self.pending) - hold:]
                 break
@@ -81,8 +81,8 @@ class ReasoningSplitter:
         return "", held.lstrip("\n") if self.strip_after_end else held
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that begins ``tag``."""
+def partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that begins ``tag`` (held back until it is decided)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
             return n
