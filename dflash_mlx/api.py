@@ -67,6 +67,7 @@ class GenerationResponse(MlxLmResponse):
     cached_prompt_tokens: int = 0  # prompt tokens reused from a PromptCache (not prefilled)
     block_tokens: int = 0  # size of the cycle that committed this token (0: the prompt's token)
     block_histogram: Dict[int, int] = field(default_factory=dict)  # cycles so far per block size
+    stop_sequence: Optional[str] = None  # the stop string that ended the answer, if one did
 
     @property
     def acceptance_rate(self) -> float:
@@ -241,13 +242,14 @@ class _StopText:
     def __init__(self, stops: Sequence[str]):
         self.stops = [s for s in stops if s]
         self.pending = ""
+        self.matched: Optional[str] = None  # the stop string that ended the text
 
     def push(self, segment: str) -> tuple[str, bool]:
         self.pending += segment
         for s in self.stops:
             i = self.pending.find(s)
             if i >= 0:
-                out, self.pending = self.pending[:i], ""
+                out, self.pending, self.matched = self.pending[:i], "", s
                 return out, True
         hold = 0
         for s in self.stops:
@@ -416,6 +418,7 @@ def _responses(steps, tokenizer, prompt_tokens: int, reused: int, stop: Sequence
                 cached_prompt_tokens=reused,
                 block_tokens=commit.drafted + 1 if cycles else 0,
                 block_histogram=histogram,
+                stop_sequence=stop_text.matched,
             )
             if n % 256 == 0:
                 mx.clear_cache()  # MLX's buffer cache handed back every 256 tokens, as mlx-lm does

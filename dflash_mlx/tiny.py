@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 from safetensors.numpy import save_file
@@ -248,7 +248,7 @@ def write_dflash2_draft(path: Path, config: Dict, seed: int = 1, dtype=np.float3
     return config
 
 
-def write_tokenizer(path: Path, vocab_size: int = 512) -> int:
+def write_tokenizer(path: Path, vocab_size: int = 512, extra_special_tokens: Sequence[str] = ()) -> int:
     """A byte-level BPE tokenizer with Qwen-style special tokens and chat template.
 
     Returns the id of ``<|im_end|>`` (the EOS of chat turns). Ids stay below
@@ -262,7 +262,7 @@ def write_tokenizer(path: Path, vocab_size: int = 512) -> int:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size - 1,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + list(extra_special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

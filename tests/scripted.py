@@ -15,21 +15,37 @@ from safetensors.numpy import load_file, save_file
 
 from dflash_mlx import tiny
 
-# Qwen3.5's chat format (see the published template): the generation prompt opens <think>;
-# enable_thinking=False closes it empty; earlier answers carry their reasoning_content.
+# Qwen3.5's chat format (see the published template): tools in a system turn, the generation
+# prompt opens <think>, enable_thinking=False closes it empty, earlier answers carry their
+# reasoning_content and their calls, tool results come back as user turns.
 QWEN35_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if tools %}<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>"
+    "{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>\n\nIf you choose to call a function ONLY reply in "
+    "the following format with NO suffix:\n\n<tool_call>\n<function=example_function_name>\n"
+    "<parameter=example_parameter_1>\nvalue_1\n</parameter>\n</function>\n</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n"
     "{% if m['role'] == 'assistant' and m.get('reasoning_content') %}<think>\n{{ m['reasoning_content'] }}\n</think>\n\n{% endif %}"
-    "{{ m['content'] or '' }}<|im_end|>\n{% endfor %}"
+    "{{ m['content'] or '' }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>\n<function={{ c['function']['name'] }}>\n"
+    "{% if c['function']['arguments'] is mapping %}{% for k, v in c['function']['arguments'].items() %}"
+    "<parameter={{ k }}>\n{{ v }}\n</parameter>\n{% endfor %}{% endif %}</function>\n</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n"
     "{% if enable_thinking is defined and not enable_thinking %}\n</think>\n\n{% endif %}{% endif %}"
 )
+# Tool-call pieces as single tokens, so that a scripted call repeats none (the parser needs no newlines).
+TOOL_TOKENS = ["<function=get_weather>", "<parameter=city>", "</parameter>", "</function>"]
 
 
 def write_scripted_pair(root: Path, reply: str, template: str = QWEN35_TEMPLATE) -> tuple[Path, Path]:
     from tokenizers import Tokenizer
 
-    target_dir, draft_dir = tiny.write_pair(root)
+    target_dir, draft_dir = root / "target", root / "draft"
+    eos = tiny.write_tokenizer(target_dir, extra_special_tokens=TOOL_TOKENS)
+    config = tiny.write_target(target_dir, tiny.target_config(512, eos_token_id=eos))
+    tiny.write_draft(draft_dir, tiny.draft_config(config, block_size=16))
     (target_dir / "chat_template.jinja").write_text(template)
     tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
     newline = tokenizer.encode("\n", add_special_tokens=False).ids

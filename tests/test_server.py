@@ -310,7 +310,22 @@ fields = st.fixed_dictionaries(
         "seed": anything,
         "n": st.integers(0, 3) | anything,
         "tools": anything,
+        # Anthropic's Messages fields
+        "system": st.text(max_size=20) | anything,
+        "stop_sequences": st.lists(st.text(max_size=4), max_size=2) | anything,
+        "thinking": st.fixed_dictionaries({"type": st.sampled_from(["enabled", "disabled"]) | anything}) | anything,
+        "tool_choice": anything,
     },
+)
+anthropic_content = st.text(max_size=20) | st.lists(st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "tool_use", "tool_result", "thinking", "image"]) | anything},
+    optional={"text": st.text(max_size=10) | anything, "id": anything, "name": anything, "input": anything,
+              "tool_use_id": anything, "content": anything, "thinking": anything}), max_size=3)
+anthropic_fields = fields | st.fixed_dictionaries(
+    {"model": st.just("tiny"), "max_tokens": st.integers(1, 6),
+     "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]), "content": anthropic_content}),
+                          min_size=1, max_size=3)},
+    optional={"stream": st.booleans(), "system": st.text(max_size=10), "temperature": st.floats(0, 1)},
 )
 
 
@@ -323,9 +338,18 @@ def test_fuzzed_requests_never_get_a_server_error(server, body, endpoint):
         assert set(r.json()["error"]) >= {"message", "type"}
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=anthropic_fields, endpoint=st.sampled_from(["messages", "messages/count_tokens"]))
+def test_fuzzed_messages_requests_never_get_a_server_error(server, body, endpoint):
+    r = httpx.post(f"{server}/v1/{endpoint}", headers={"x-api-key": KEY}, json=body, timeout=60)
+    assert r.status_code < 500, (body, r.text)
+    if r.status_code != 200:
+        assert r.json()["type"] == "error" and set(r.json()["error"]) >= {"message", "type"}
+
+
 def test_openapi_schema_and_survival(server):
     schema = httpx.get(f"{server}/openapi.json").json()
-    assert {"/v1/chat/completions", "/v1/completions", "/v1/models"} <= set(schema["paths"])
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/messages", "/v1/messages/count_tokens"} <= set(schema["paths"])
     assert httpx.get(f"{server}/health").json()["status"] == "ok"  # nothing above killed the process
 
 

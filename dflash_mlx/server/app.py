@@ -1,5 +1,5 @@
-"""The app: one engine, the protocols' routers, and what they share (errors, API key, body limit,
-health, metrics)."""
+"""The app: one engine, the protocols' routers (OpenAI's, Anthropic's), and what they share
+(errors in the client's protocol's shape, API key, body limit, health, metrics)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..api import DFlashModel
-from . import openai
+from . import anthropic, openai
 from .engine import Engine, current_engine
 from .errors import APIError, error_body
 
@@ -24,16 +24,18 @@ class BodyLimit:
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
 
-    def _refusal(self):
-        return JSONResponse(error_body(BodyTooLarge(self.limit).detail, "invalid_request_error", code="request_too_large"),
-                            status_code=413)
+    def _refusal(self, scope):
+        message = BodyTooLarge(self.limit).detail
+        if scope.get("path", "").startswith("/v1/messages"):
+            return JSONResponse(anthropic.error_body(413, message), status_code=413)
+        return JSONResponse(error_body(message, "invalid_request_error", code="request_too_large"), status_code=413)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
-            return await self._refusal()(scope, receive, send)
+            return await self._refusal(scope)(scope, receive, send)
         received = 0
         started = False
 
@@ -55,7 +57,7 @@ class BodyLimit:
             await self.app(scope, counted_receive, tracked_send)
         except BodyTooLarge:  # read outside FastAPI's body parsing, which answers it itself
             if not started:
-                await self._refusal()(scope, receive, send)
+                await self._refusal(scope)(scope, receive, send)
 
 
 class BodyTooLarge(HTTPException):
@@ -67,40 +69,51 @@ class BodyTooLarge(HTTPException):
 
 
 async def authorize(request: Request) -> None:
-    """The API key, when the server has one (compared in constant time: no timing oracle)."""
-    expected = request.app.state.authorization
+    """The API key, when the server has one, as OpenAI clients send it (``Authorization: Bearer``)
+    or Anthropic's (``x-api-key``); compared in constant time: no timing oracle."""
+    expected = request.app.state.api_key
     if expected is None:
         return
-    if not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
-        raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)", "authentication_error", code="invalid_api_key")
+    bearer = request.headers.get("authorization", "").encode()
+    x_api_key = request.headers.get("x-api-key", "").encode()
+    if not (hmac.compare_digest(bearer, b"Bearer " + expected) | hmac.compare_digest(x_api_key, expected)):
+        raise APIError(401, "invalid or missing API key (Authorization: Bearer ... or x-api-key)", "authentication_error",
+                       code="invalid_api_key")
+
+
+def _error(request: Request, status: int, message: str, kind: str, param=None, code=None) -> JSONResponse:
+    """An error in the shape of the protocol the client spoke (Anthropic's under /v1/messages)."""
+    if request.url.path.startswith("/v1/messages"):
+        return JSONResponse(anthropic.error_body(status, message), status_code=status)
+    return JSONResponse(error_body(message, kind, param, code), status_code=status)
 
 
 def _add_error_handlers(app: FastAPI, engine: Engine) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_, e: APIError):
+    async def _api_error(request, e: APIError):
         engine.metrics.count("errors")
-        return JSONResponse(error_body(e.message, e.kind, e.param, e.code), status_code=e.status)
+        return _error(request, e.status, e.message, e.kind, e.param, e.code)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_, e: RequestValidationError):
+    async def _validation(request, e: RequestValidationError):
         engine.metrics.count("errors")
         first = e.errors()[0] if e.errors() else {}
         if first.get("type") == "json_invalid":
             message = f"malformed JSON body: {(first.get('ctx') or {}).get('error', 'cannot parse')}"
-            return JSONResponse(error_body(message, "invalid_request_error"), status_code=400)
+            return _error(request, 400, message, "invalid_request_error")
         where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
-        return JSONResponse(error_body(message, "invalid_request_error", where or None), status_code=400)
+        return _error(request, 400, message, "invalid_request_error", where or None)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_, e: StarletteHTTPException):
+    async def _http(request, e: StarletteHTTPException):
         code = "request_too_large" if isinstance(e, BodyTooLarge) else None
-        return JSONResponse(error_body(str(e.detail), "invalid_request_error", code=code), status_code=e.status_code)
+        return _error(request, e.status_code, str(e.detail), "invalid_request_error", code=code)
 
     @app.exception_handler(Exception)
-    async def _crash(_, e: Exception):
+    async def _crash(request, e: Exception):
         engine.metrics.count("errors")
-        return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"), status_code=500)
+        return _error(request, 500, f"internal error: {type(e).__name__}", "server_error")
 
 
 async def health(engine: Engine = Depends(current_engine)):
@@ -127,10 +140,11 @@ def create_app(
     engine = Engine(model, tokenizer, model_name, context_limit, max_tokens_cap, block_tokens, prompt_cache_bytes)
     app = FastAPI(title="dflash-mlx", description="OpenAI-compatible API with DFlash speculative decoding.")
     app.state.engine = engine
-    app.state.authorization = f"Bearer {api_key}".encode() if api_key is not None else None
+    app.state.api_key = api_key.encode() if api_key is not None else None
     _add_error_handlers(app, engine)
     app.add_middleware(BodyLimit, limit=max_request_bytes)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"], response_class=PlainTextResponse)
     app.include_router(openai.router, dependencies=[Depends(authorize)])
+    app.include_router(anthropic.router, dependencies=[Depends(authorize)])
     return app

@@ -160,3 +160,31 @@ class Engine:
 def current_engine(request: Request) -> Engine:
     """The app's engine, for routes (a FastAPI dependency)."""
     return request.app.state.engine
+
+
+class GenerationFailed(Exception):
+    """The worker reported an error for a job (logged there with its traceback)."""
+
+
+async def job_events(job: Job):
+    """A job's ``token`` and ``done`` events as the worker sends them; an ``error`` raises
+    ``GenerationFailed``. Leaving the loop (a client gone, or the end) cancels the job."""
+    try:
+        while True:
+            kind, payload = await job.queue.get()
+            if kind == "error":
+                raise GenerationFailed(payload)
+            yield kind, payload
+            if kind == "done":
+                return
+    finally:
+        job.cancelled.set()
+
+
+async def cancel_on_disconnect(request: Request, job: Job, every: float = 0.1) -> None:
+    """Watch a non-streaming request's connection: a client that gives up frees the model."""
+    while not job.cancelled.is_set():
+        if await request.is_disconnected():
+            job.cancelled.set()
+            return
+        await asyncio.sleep(every)

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..api import GenerationResponse, encode_prompt
-from .engine import ContextFull, Engine, Job, current_engine
+from .engine import ContextFull, Engine, GenerationFailed, Job, cancel_on_disconnect, current_engine, job_events
 from .errors import APIError, error_body
 from .reasoning import START, ReasoningSplitter, opens_reasoning, thinking_switch
 from .tool_calls import ToolCall, ToolCallScanner, split_text_and_calls
@@ -173,14 +173,6 @@ async def completions(req: CompletionRequest, request: Request, engine: Engine =
 
 
 
-async def _cancel_on_disconnect(request: Request, job: Job, every: float = 0.1) -> None:
-    while not job.cancelled.is_set():
-        if await request.is_disconnected():
-            job.cancelled.set()
-            return
-        await asyncio.sleep(every)
-
-
 def _message_dict(m: Message) -> Dict[str, Any]:
     out = m.model_dump(exclude_none=True)
     if isinstance(out.get("content"), list):  # OpenAI content parts: keep the text ones
@@ -230,20 +222,15 @@ class _Reply:
 
     async def _events(self, job: Job):
         try:
-            while True:
-                kind, payload = await job.queue.get()
-                if kind == "error":
-                    raise APIError(500, payload, "server_error")
-                yield kind, payload
-                if kind == "done":
-                    return
-        finally:
-            job.cancelled.set()  # the client went away (or we are done): free the model
+            async for event in job_events(job):
+                yield event
+        except GenerationFailed as e:
+            raise APIError(500, str(e), "server_error") from e
 
     async def whole(self, job: Job, request: Optional[Request] = None) -> Dict[str, Any]:
         """The whole answer. Nothing is sent before it is done, so a disconnect is only seen by
         watching for it: a client that gives up frees the model at the next step."""
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, job)) if request is not None else None
+        watcher = asyncio.create_task(cancel_on_disconnect(request, job)) if request is not None else None
         text, last = "", None
         try:
             async for kind, r in self._events(job):

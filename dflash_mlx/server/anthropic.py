@@ -1,0 +1,296 @@
+"""Anthropic's Messages API (what Claude Code speaks with ``ANTHROPIC_BASE_URL``): ``POST
+/v1/messages``, streamed or not, and ``POST /v1/messages/count_tokens``.
+
+Messages become the chat template's: text, ``tool_use`` blocks (the assistant's calls) and
+``tool_result`` blocks (``tool`` turns), ``thinking`` blocks back as ``reasoning_content``. The
+answer comes back as content blocks: ``thinking`` (the reasoning), ``text`` and ``tool_use``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from .engine import ContextFull, Engine, GenerationFailed, Job, cancel_on_disconnect, current_engine, job_events
+from .errors import APIError
+from .reasoning import START, ReasoningSplitter, opens_reasoning
+from .tool_calls import ToolCall, ToolCallScanner
+
+router = APIRouter()
+
+ARGUMENT_FRAGMENT = 16  # characters of a tool call's JSON input per input_json_delta
+
+
+class Block(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "tool_use", "tool_result", "thinking", "redacted_thinking", "image", "document"]
+    text: Optional[str] = None
+    id: Optional[str] = None
+    name: Optional[str] = None
+    input: Optional[Dict[str, Any]] = None
+    tool_use_id: Optional[str] = None
+    content: Optional[Union[str, List[Dict[str, Any]]]] = None
+    is_error: Optional[bool] = None
+    thinking: Optional[str] = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["user", "assistant"]
+    content: Union[str, List[Block]]
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    description: Optional[str] = None
+    input_schema: Dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class CountTokensRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # clients send metadata and betas we have no use for
+    model: str
+    messages: List[Message] = Field(..., min_length=1)
+    system: Optional[Union[str, List[Block]]] = None
+    tools: Optional[List[Tool]] = None
+    tool_choice: Optional[Dict[str, Any]] = None
+    thinking: Optional[Dict[str, Any]] = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(..., ge=1)
+    stop_sequences: Optional[List[str]] = None
+    temperature: float = Field(1.0, ge=0.0, le=1.0)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(None, ge=0)
+    stream: bool = False
+
+
+def _text(content) -> str:
+    if isinstance(content, str) or content is None:
+        return content or ""
+    return "".join(b.get("text", "") if isinstance(b, dict) else (b.text or "") for b in content
+                   if (b.get("type") if isinstance(b, dict) else b.type) == "text")
+
+
+def chat_messages(req: CountTokensRequest) -> List[Dict[str, Any]]:
+    """The conversation as the chat template takes it."""
+    out: List[Dict[str, Any]] = []
+    if req.system:
+        out.append({"role": "system", "content": _text(req.system)})
+    for m in req.messages:
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        if m.role == "user":
+            text = "".join(b.text or "" for b in m.content if b.type == "text")
+            for b in m.content:
+                if b.type == "tool_result":
+                    out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)})
+            if text or not any(b.type == "tool_result" for b in m.content):
+                out.append({"role": "user", "content": text})
+            continue
+        message: Dict[str, Any] = {"role": "assistant", "content": "".join(b.text or "" for b in m.content if b.type == "text")}
+        thinking = "".join(b.thinking or "" for b in m.content if b.type == "thinking")
+        if thinking:
+            message["reasoning_content"] = thinking
+        calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input or {}}}
+                 for b in m.content if b.type == "tool_use"]
+        if calls:
+            message["tool_calls"] = calls
+        out.append(message)
+    return out
+
+
+def _tools(req: CountTokensRequest) -> Optional[List[Dict[str, Any]]]:
+    if not req.tools or (req.tool_choice or {}).get("type") == "none":
+        return None
+    return [{"type": "function", "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema}}
+            for t in req.tools]
+
+
+def _thinking(req: CountTokensRequest) -> Optional[bool]:
+    kind = (req.thinking or {}).get("type")
+    return None if kind is None else kind == "enabled"
+
+
+async def _prompt(engine: Engine, req: CountTokensRequest) -> List[int]:
+    choice = (req.tool_choice or {}).get("type")
+    if choice not in (None, "auto", "none"):
+        raise APIError(400, f"tool_choice {choice!r} is not supported: use 'auto' or 'none'", param="tool_choice")
+    extra = {} if _thinking(req) is None else {"enable_thinking": _thinking(req)}
+    try:  # off the event loop: a long conversation takes a while to render and tokenize
+        ids = await asyncio.to_thread(engine.tokenizer.apply_chat_template, chat_messages(req), tools=_tools(req),
+                                      add_generation_prompt=True, tokenize=True, **extra)
+    except Exception as e:
+        raise APIError(400, f"cannot apply the chat template to these messages: {e}", param="messages") from e
+    return list(ids)
+
+
+def _check_model(engine: Engine, name: str) -> None:
+    if name != engine.name:
+        raise APIError(404, f"model {name!r} not found; this server serves {engine.name!r}", "not_found_error", param="model")
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(req: CountTokensRequest, engine: Engine = Depends(current_engine)):
+    _check_model(engine, req.model)
+    return {"input_tokens": len(await _prompt(engine, req))}
+
+
+@router.post("/v1/messages")
+async def messages(req: MessagesRequest, request: Request, engine: Engine = Depends(current_engine)):
+    _check_model(engine, req.model)
+    prompt = await _prompt(engine, req)
+    try:
+        budget = engine.answer_budget(len(prompt), req.max_tokens)
+    except ContextFull as e:
+        raise APIError(400, str(e), param="messages") from e
+    job = engine.submit(prompt, dict(max_tokens=budget, temp=req.temperature, top_p=req.top_p or 1.0,
+                                     top_k=req.top_k or 0, stop=req.stop_sequences or []))
+    thinks = START in (engine.tokenizer.chat_template or "")
+    opened = thinks and opens_reasoning(engine.tokenizer.decode(prompt[-16:]))
+    tools = _tools(req)
+    reply = _Reply(engine.name, lambda: ReasoningSplitter(opened, enabled=thinks),
+                   lambda: ToolCallScanner(engine.tokenizer if tools else None, tools))
+    if req.stream:
+        return StreamingResponse(reply.stream(job), media_type="text/event-stream")
+    return JSONResponse(await reply.whole(job, request))
+
+
+def _stop_reason(last, calls: int) -> Optional[str]:
+    if calls:
+        return "tool_use"
+    if last is None:
+        return "end_turn"
+    if last.finish_reason == "length":
+        return "max_tokens"
+    return "stop_sequence" if getattr(last, "stop_sequence", None) else "end_turn"
+
+
+class _Reply:
+    """A job's events as a Messages response, whole or as Anthropic's server-sent events."""
+
+    def __init__(self, model: str, splitter, scanner):
+        self.model, self.splitter, self.scanner = model, splitter, scanner
+        self.id = "msg_" + uuid.uuid4().hex[:24]
+
+    def _usage(self, last, output_tokens: Optional[int] = None) -> Dict[str, int]:
+        prompt = last.prompt_tokens if last else 0
+        cached = last.cached_prompt_tokens if last else 0
+        return {"input_tokens": prompt - cached, "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0,
+                "output_tokens": output_tokens if output_tokens is not None else (last.generation_tokens if last else 0)}
+
+    async def _events(self, job: Job):
+        try:
+            async for event in job_events(job):
+                yield event
+        except GenerationFailed as e:
+            raise APIError(500, str(e), "api_error") from e
+
+    async def whole(self, job: Job, request: Optional[Request] = None) -> Dict[str, Any]:
+        watcher = asyncio.create_task(cancel_on_disconnect(request, job)) if request is not None else None
+        text, last = "", None
+        try:
+            async for kind, r in self._events(job):
+                if kind == "token":
+                    text, last = text + r.text, r
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+        splitter, scanner = self.splitter(), self.scanner()
+        thought, answer = splitter.push(text)
+        more_thought, more_answer = splitter.flush()
+        pieces = scanner.push(answer + more_answer) + scanner.flush()
+        content: List[Dict[str, Any]] = []
+        if thought + more_thought:
+            content.append({"type": "thinking", "thinking": thought + more_thought, "signature": ""})
+        words = "".join(p for p in pieces if isinstance(p, str))
+        if words.strip() or not scanner.calls:
+            content.append({"type": "text", "text": words.rstrip() if scanner.calls else words})
+        content += [{"type": "tool_use", "id": p.id, "name": p.name, "input": p.arguments} for p in pieces if isinstance(p, ToolCall)]
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
+                "stop_reason": _stop_reason(last, scanner.calls),
+                "stop_sequence": getattr(last, "stop_sequence", None) if last else None, "usage": self._usage(last)}
+
+    async def stream(self, job: Job):
+        """message_start; per block content_block_start / _delta / _stop; message_delta; message_stop."""
+        splitter, scanner, blocks, last = self.splitter(), self.scanner(), _Blocks(), None
+        try:
+            yield _event("message_start", {"type": "message_start", "message": {
+                "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+                "stop_reason": None, "stop_sequence": None, "usage": self._usage(None, 0)}})
+            async for kind, r in self._events(job):
+                if kind == "token":
+                    last = r
+                    for event in blocks.add(*splitter.push(r.text), scanner):
+                        yield event
+            thought, text = splitter.flush()
+            for event in blocks.add(thought, text, scanner, final=True):
+                yield event
+            for event in blocks.close():
+                yield event
+            yield _event("message_delta", {"type": "message_delta", "delta": {
+                "stop_reason": _stop_reason(last, scanner.calls), "stop_sequence": getattr(last, "stop_sequence", None)},
+                "usage": {"output_tokens": last.generation_tokens if last else 0}})
+            yield _event("message_stop", {"type": "message_stop"})
+        except APIError as e:
+            yield _event("error", {"type": "error", "error": {"type": e.kind, "message": e.message}})
+        finally:
+            job.cancelled.set()  # a disconnect closes this generator: stop generating at once
+
+
+class _Blocks:
+    """The content blocks of a streamed answer: which one is open, and the events that move on."""
+
+    def __init__(self):
+        self.index, self.open = -1, None
+
+    def _start(self, kind: str, block: Dict[str, Any]):
+        yield from self.close()
+        self.index, self.open = self.index + 1, kind
+        yield _event("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block})
+
+    def close(self):
+        if self.open is not None:
+            yield _event("content_block_stop", {"type": "content_block_stop", "index": self.index})
+            self.open = None
+
+    def add(self, thought: str, text: str, scanner: ToolCallScanner, final: bool = False):
+        if thought:
+            if self.open != "thinking":
+                yield from self._start("thinking", {"type": "thinking", "thinking": ""})
+            yield self._delta({"type": "thinking_delta", "thinking": thought})
+        for piece in scanner.push(text) + (scanner.flush() if final else []):
+            if isinstance(piece, str):
+                if self.open != "text" and not piece.strip():
+                    continue  # whitespace between blocks opens nothing
+                if self.open != "text":
+                    yield from self._start("text", {"type": "text", "text": ""})
+                yield self._delta({"type": "text_delta", "text": piece})
+                continue
+            yield from self._start("tool_use", {"type": "tool_use", "id": piece.id, "name": piece.name, "input": {}})
+            arguments = piece.arguments_json
+            for start in range(0, len(arguments), ARGUMENT_FRAGMENT):
+                yield self._delta({"type": "input_json_delta", "partial_json": arguments[start:start + ARGUMENT_FRAGMENT]})
+            yield from self.close()
+
+    def _delta(self, delta: Dict[str, Any]) -> str:
+        return _event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+
+
+def _event(name: str, data: Dict[str, Any]) -> str:
+    return f"event: {name}\ndata: {json.dumps(data)}\n\n"
+
+
+def error_body(status: int, message: str) -> Dict[str, Any]:
+    """Anthropic's error shape."""
+    kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+            413: "request_too_large", 429: "rate_limit_error"}.get(status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
