@@ -140,3 +140,17 @@ def test_an_oversized_body_is_refused_in_anthropics_shape(server):
     big = {"model": "target", "max_tokens": 4, "messages": [{"role": "user", "content": "x" * (9 << 20)}]}
     r = httpx.post(f"{server}/v1/messages", json=big, headers={"x-api-key": KEY}, timeout=60)
     assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+
+
+def test_the_sdk_example_runs_against_the_server(server):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "examples/editors/anthropic_sdk.py", server, KEY, "target"], cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "stop_reason: tool_use" in done.stdout and "after the tool: tool_use" in done.stdout
+    claude = (root / "examples/editors/claude-code.sh").read_text()
+    assert "ANTHROPIC_BASE_URL" in claude and "ANTHROPIC_MODEL" in claude
