@@ -315,6 +315,15 @@ fields = st.fixed_dictionaries(
         "stop_sequences": st.lists(st.text(max_size=4), max_size=2) | anything,
         "thinking": st.fixed_dictionaries({"type": st.sampled_from(["enabled", "disabled"]) | anything}) | anything,
         "tool_choice": anything,
+        # OpenAI's Responses fields
+        "input": st.text(max_size=20) | st.lists(st.fixed_dictionaries(
+            {"type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "other"]) | anything},
+            optional={"role": st.sampled_from(["user", "assistant", "developer", "tool"]) | anything, "content": anything,
+                      "call_id": anything, "name": anything, "arguments": st.text(max_size=10) | anything, "output": anything}),
+            max_size=3) | anything,
+        "instructions": st.text(max_size=10) | anything,
+        "max_output_tokens": st.integers(-1, 6) | anything,
+        "reasoning": anything,
     },
 )
 anthropic_content = st.text(max_size=20) | st.lists(st.fixed_dictionaries(
@@ -330,7 +339,7 @@ anthropic_fields = fields | st.fixed_dictionaries(
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
-@given(body=fields, endpoint=st.sampled_from(["chat/completions", "completions"]))
+@given(body=fields, endpoint=st.sampled_from(["chat/completions", "completions", "responses"]))
 def test_fuzzed_requests_never_get_a_server_error(server, body, endpoint):
     r = httpx.post(f"{server}/v1/{endpoint}", headers={"Authorization": f"Bearer {KEY}"}, json=body, timeout=60)
     assert r.status_code < 500, (body, r.text)
@@ -349,7 +358,8 @@ def test_fuzzed_messages_requests_never_get_a_server_error(server, body, endpoin
 
 def test_openapi_schema_and_survival(server):
     schema = httpx.get(f"{server}/openapi.json").json()
-    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/messages", "/v1/messages/count_tokens"} <= set(schema["paths"])
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/messages", "/v1/messages/count_tokens",
+            "/v1/responses"} <= set(schema["paths"])
     assert httpx.get(f"{server}/health").json()["status"] == "ok"  # nothing above killed the process
 
 

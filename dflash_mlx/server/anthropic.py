@@ -212,7 +212,7 @@ class _Reply:
         if thought + more_thought:
             content.append({"type": "thinking", "thinking": thought + more_thought, "signature": ""})
         words = "".join(p for p in pieces if isinstance(p, str))
-        if words.strip() or not scanner.calls:
+        if words.strip() or not (scanner.calls or content):  # an answer cut off in its thinking has no text
             content.append({"type": "text", "text": words.rstrip() if scanner.calls else words})
         content += [{"type": "tool_use", "id": p.id, "name": p.name, "input": p.arguments} for p in pieces if isinstance(p, ToolCall)]
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,

@@ -1,4 +1,5 @@
-"""The app: one engine, the protocols' routers (OpenAI's, Anthropic's), and what they share
+"""The app: one engine, the protocols' routers (OpenAI's chat and Responses, Anthropic's Messages),
+and what they share
 (errors in the client's protocol's shape, API key, body limit, health, metrics)."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..api import DFlashModel
-from . import anthropic, openai
+from . import anthropic, openai, responses
 from .engine import Engine, current_engine
 from .errors import APIError, error_body
 
@@ -147,4 +148,5 @@ def create_app(
     app.add_api_route("/metrics", metrics, methods=["GET"], response_class=PlainTextResponse)
     app.include_router(openai.router, dependencies=[Depends(authorize)])
     app.include_router(anthropic.router, dependencies=[Depends(authorize)])
+    app.include_router(responses.router, dependencies=[Depends(authorize)])
     return app

@@ -1,0 +1,326 @@
+"""OpenAI's Responses API (what Codex speaks): ``POST /v1/responses``, streamed or not.
+
+``input`` is a string or items (messages, ``function_call``, ``function_call_output``,
+``reasoning``); the answer comes back as output items: ``reasoning``, ``message`` (output_text)
+and ``function_call``. Nothing is stored: ``previous_response_id`` is refused, clients resend the
+conversation (the prefix cache makes that cheap).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, Dict, List, Optional, Union
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from .engine import ContextFull, Engine, GenerationFailed, Job, cancel_on_disconnect, current_engine, job_events
+from .errors import APIError
+from .reasoning import START, ReasoningSplitter, opens_reasoning, thinking_switch
+from .tool_calls import ToolCall, ToolCallScanner
+
+router = APIRouter()
+
+ARGUMENT_FRAGMENT = 16
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    input: Union[str, List[Dict[str, Any]]]
+    instructions: Optional[str] = None
+    tools: Optional[List[Dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, Dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    max_output_tokens: Optional[int] = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stream: bool = False
+    reasoning: Optional[Dict[str, Any]] = None
+    store: Optional[bool] = None
+    previous_response_id: Optional[str] = None
+    text: Optional[Dict[str, Any]] = None
+    include: Optional[List[str]] = None
+    metadata: Optional[Dict[str, Any]] = None
+    user: Optional[str] = None
+    truncation: Optional[str] = None
+
+
+def _unsupported(req: ResponsesRequest) -> None:
+    """Options this server cannot honour get a 400 that names them, never a silent ignore."""
+    if req.previous_response_id:
+        raise APIError(400, "previous_response_id is not supported: this server stores no responses; send the whole "
+                       "conversation as input (its prefix cache reuses what was sent before)", param="previous_response_id")
+    for tool in req.tools or []:
+        if tool.get("type") != "function":
+            raise APIError(400, f"tools of type {tool.get('type')!r} are not supported (only 'function')", param="tools")
+    if req.tool_choice not in (None, "auto", "none"):
+        raise APIError(400, "tool_choice must be 'auto' or 'none'", param="tool_choice")
+    fmt = (req.text or {}).get("format") or {}
+    if fmt.get("type") not in (None, "text"):
+        raise APIError(400, "only text output is supported (text.format 'text')", param="text")
+    if req.truncation not in (None, "disabled"):
+        raise APIError(400, "truncation 'auto' is not supported: the context limit is checked instead", param="truncation")
+
+
+def _text(content) -> str:
+    if isinstance(content, str) or content is None:
+        return content or ""
+    return "".join(part.get("text", "") for part in content
+                   if part.get("type") in ("input_text", "output_text", "text", "reasoning_text", "summary_text"))
+
+
+def chat_messages(req: ResponsesRequest) -> List[Dict[str, Any]]:
+    """The input as the chat template takes it: function calls join the assistant turn before
+    them, their outputs become tool turns, reasoning items the next answer's reasoning_content."""
+    out: List[Dict[str, Any]] = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    reasoning = None
+
+    def assistant() -> Dict[str, Any]:
+        if not out or out[-1]["role"] != "assistant":
+            out.append({"role": "assistant", "content": ""})
+        return out[-1]
+
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
+            if role not in ("system", "user", "assistant"):
+                raise APIError(400, f"input message role {item.get('role')!r} is not supported", param="input")
+            out.append({"role": role, "content": _text(item.get("content"))})
+            if role == "assistant" and reasoning:
+                out[-1]["reasoning_content"], reasoning = reasoning, None
+        elif kind == "reasoning":
+            reasoning = _text(item.get("content")) or "".join(s.get("text", "") for s in item.get("summary") or [])
+        elif kind == "function_call":
+            turn = assistant()
+            if reasoning:
+                turn["reasoning_content"], reasoning = reasoning, None
+            try:
+                arguments = json.loads(item.get("arguments") or "{}")
+            except json.JSONDecodeError as e:
+                raise APIError(400, f"function_call arguments are not JSON: {e}", param="input") from e
+            turn.setdefault("tool_calls", []).append(
+                {"id": item.get("call_id"), "type": "function", "function": {"name": item.get("name"), "arguments": arguments}})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                        "content": output if isinstance(output, str) else _text(output)})
+        else:
+            raise APIError(400, f"input items of type {kind!r} are not supported", param="input")
+    return out
+
+
+def _tools(req: ResponsesRequest) -> Optional[List[Dict[str, Any]]]:
+    if not req.tools or req.tool_choice == "none":
+        return None
+    return [{"type": "function", "function": {"name": t["name"], "description": t.get("description") or "",
+                                              "parameters": t.get("parameters") or {"type": "object", "properties": {}}}}
+            for t in req.tools]
+
+
+@router.post("/v1/responses")
+async def responses(req: ResponsesRequest, request: Request, engine: Engine = Depends(current_engine)):
+    if req.model != engine.name:
+        raise APIError(404, f"model {req.model!r} not found; this server serves {engine.name!r}", param="model",
+                       code="model_not_found")
+    _unsupported(req)
+    tools = _tools(req)
+    thinking = thinking_switch(None, None, req.reasoning)
+    extra = {} if thinking is None else {"enable_thinking": thinking}
+    try:  # off the event loop: a long conversation takes a while to render and tokenize
+        prompt = list(await asyncio.to_thread(engine.tokenizer.apply_chat_template, chat_messages(req), tools=tools,
+                                              add_generation_prompt=True, tokenize=True, **extra))
+    except APIError:
+        raise
+    except Exception as e:
+        raise APIError(400, f"cannot apply the chat template to this input: {e}", param="input") from e
+    try:
+        budget = engine.answer_budget(len(prompt), req.max_output_tokens)
+    except ContextFull as e:
+        raise APIError(400, str(e), param="input", code="context_length_exceeded") from e
+    job = engine.submit(prompt, dict(max_tokens=budget, temp=req.temperature, top_p=req.top_p))
+    thinks = START in (engine.tokenizer.chat_template or "")
+    opened = thinks and opens_reasoning(engine.tokenizer.decode(prompt[-16:]))
+    reply = _Reply(engine.name, req, lambda: ReasoningSplitter(opened, enabled=thinks),
+                   lambda: ToolCallScanner(engine.tokenizer if tools else None, tools))
+    if req.stream:
+        return StreamingResponse(reply.stream(job), media_type="text/event-stream")
+    return JSONResponse(await reply.whole(job, request))
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+class _Reply:
+    """A job's events as a Responses object, whole or as its streamed events."""
+
+    def __init__(self, model: str, req: ResponsesRequest, splitter, scanner):
+        self.model, self.req, self.splitter, self.scanner = model, req, splitter, scanner
+        self.id, self.created = _item_id("resp"), int(time.time())
+        self.sequence = 0
+
+    def _response(self, status: str, output: List[Dict[str, Any]], last=None) -> Dict[str, Any]:
+        incomplete = status == "incomplete"
+        prompt = last.prompt_tokens if last else 0
+        generated = last.generation_tokens if last else 0
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status, "model": self.model,
+            "output": output, "error": None, "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "instructions": self.req.instructions, "max_output_tokens": self.req.max_output_tokens,
+            "parallel_tool_calls": bool(self.req.parallel_tool_calls), "temperature": self.req.temperature,
+            "top_p": self.req.top_p, "tool_choice": self.req.tool_choice or "auto", "tools": self.req.tools or [],
+            "usage": {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": last.cached_prompt_tokens if last else 0},
+                      "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": prompt + generated} if last else None,
+        }
+
+    async def _events(self, job: Job):
+        try:
+            async for event in job_events(job):
+                yield event
+        except GenerationFailed as e:
+            raise APIError(500, str(e), "server_error") from e
+
+    async def whole(self, job: Job, request: Optional[Request] = None) -> Dict[str, Any]:
+        watcher = asyncio.create_task(cancel_on_disconnect(request, job)) if request is not None else None
+        text, last = "", None
+        try:
+            async for kind, r in self._events(job):
+                if kind == "token":
+                    text, last = text + r.text, r
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+        splitter, scanner = self.splitter(), self.scanner()
+        thought, answer = splitter.push(text)
+        more_thought, more_answer = splitter.flush()
+        pieces = scanner.push(answer + more_answer) + scanner.flush()
+        output: List[Dict[str, Any]] = []
+        if thought + more_thought:
+            output.append(_reasoning_item(_item_id("rs"), thought + more_thought))
+        words = "".join(p for p in pieces if isinstance(p, str))
+        if words.strip() or not (scanner.calls or output):  # an answer cut off in its reasoning has no message
+            output.append(_message_item(_item_id("msg"), words.rstrip() if scanner.calls else words))
+        output += [_call_item(p) for p in pieces if isinstance(p, ToolCall)]
+        status = "incomplete" if last is not None and last.finish_reason == "length" else "completed"
+        return self._response(status, output, last)
+
+    def _event(self, name: str, **data) -> str:
+        self.sequence += 1
+        return f"event: {name}\ndata: {json.dumps({'type': name, 'sequence_number': self.sequence, **data})}\n\n"
+
+    async def stream(self, job: Job):
+        """response.created / in_progress; per output item added, its deltas, done;
+        response.completed (or incomplete) with the whole response."""
+        splitter, scanner, items, last = self.splitter(), self.scanner(), _Items(self), None
+        try:
+            yield self._event("response.created", response=self._response("in_progress", []))
+            yield self._event("response.in_progress", response=self._response("in_progress", []))
+            async for kind, r in self._events(job):
+                if kind == "token":
+                    last = r
+                    for event in items.add(*splitter.push(r.text), scanner):
+                        yield event
+            for event in items.add(*splitter.flush(), scanner, final=True):
+                yield event
+            for event in items.close():
+                yield event
+            status = "incomplete" if last is not None and last.finish_reason == "length" else "completed"
+            yield self._event(f"response.{status}", response=self._response(status, items.done, last))
+        except APIError as e:
+            yield self._event("error", code=e.code, message=e.message, param=e.param)
+        finally:
+            job.cancelled.set()  # a disconnect closes this generator: stop generating at once
+
+
+def _reasoning_item(item_id: str, text: str) -> Dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def _message_item(item_id: str, text: str, status: str = "completed") -> Dict[str, Any]:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def _call_item(call: ToolCall, status: str = "completed") -> Dict[str, Any]:
+    return {"type": "function_call", "id": "fc_" + call.id[len("call_"):], "call_id": call.id, "name": call.name,
+            "arguments": call.arguments_json, "status": status}
+
+
+class _Items:
+    """The output items of a streamed response: the open one, its text so far, and the done ones."""
+
+    def __init__(self, reply: _Reply):
+        self.reply, self.done = reply, []
+        self.kind, self.item_id, self.text = None, None, ""
+
+    def _open(self, kind: str):
+        yield from self.close()
+        self.kind, self.item_id, self.text = kind, _item_id("rs" if kind == "reasoning" else "msg"), ""
+        index = len(self.done)
+        if kind == "reasoning":
+            item = {"type": "reasoning", "id": self.item_id, "summary": [], "content": []}
+            yield self.reply._event("response.output_item.added", output_index=index, item=item)
+            yield self.reply._event("response.content_part.added", item_id=self.item_id, output_index=index,
+                                    content_index=0, part={"type": "reasoning_text", "text": ""})
+        else:
+            item = _message_item(self.item_id, "", "in_progress")
+            item["content"] = []
+            yield self.reply._event("response.output_item.added", output_index=index, item=item)
+            yield self.reply._event("response.content_part.added", item_id=self.item_id, output_index=index,
+                                    content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+
+    def close(self):
+        if self.kind is None:
+            return
+        index, event = len(self.done), self.reply._event
+        if self.kind == "reasoning":
+            yield event("response.reasoning_text.done", item_id=self.item_id, output_index=index, content_index=0, text=self.text)
+            yield event("response.content_part.done", item_id=self.item_id, output_index=index, content_index=0,
+                        part={"type": "reasoning_text", "text": self.text})
+            item = _reasoning_item(self.item_id, self.text)
+        else:
+            yield event("response.output_text.done", item_id=self.item_id, output_index=index, content_index=0, text=self.text)
+            yield event("response.content_part.done", item_id=self.item_id, output_index=index, content_index=0,
+                        part={"type": "output_text", "text": self.text, "annotations": []})
+            item = _message_item(self.item_id, self.text)
+        yield event("response.output_item.done", output_index=index, item=item)
+        self.done.append(item)
+        self.kind = None
+
+    def add(self, thought: str, text: str, scanner: ToolCallScanner, final: bool = False):
+        event = self.reply._event
+        if thought:
+            if self.kind != "reasoning":
+                yield from self._open("reasoning")
+            self.text += thought
+            yield event("response.reasoning_text.delta", item_id=self.item_id, output_index=len(self.done),
+                        content_index=0, delta=thought)
+        for piece in scanner.push(text) + (scanner.flush() if final else []):
+            if isinstance(piece, str):
+                if self.kind != "message" and not piece.strip():
+                    continue  # whitespace between items opens nothing
+                if self.kind != "message":
+                    yield from self._open("message")
+                self.text += piece
+                yield event("response.output_text.delta", item_id=self.item_id, output_index=len(self.done),
+                            content_index=0, delta=piece)
+                continue
+            yield from self.close()
+            index, item = len(self.done), _call_item(piece, "in_progress")
+            yield event("response.output_item.added", output_index=index, item={**item, "arguments": ""})
+            arguments = piece.arguments_json
+            for start in range(0, len(arguments), ARGUMENT_FRAGMENT):
+                yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                            delta=arguments[start:start + ARGUMENT_FRAGMENT])
+            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index, arguments=arguments)
+            done = _call_item(piece)
+            yield event("response.output_item.done", output_index=index, item=done)
+            self.done.append(done)
