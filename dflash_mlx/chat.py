@@ -9,8 +9,10 @@ from typing import Dict, List, Optional
 from .api import DFlashModel, GenerationResponse, RunTotals, stream_generate
 from .block_policy import describe
 from .prompt_cache import PromptCache
+from .reasoning import START, ReasoningSplitter, opens_reasoning
 
 HELP = """Commands:
+  /think   thinking on or off (the model's reasoning is shown dimmed)
   /reset   forget the conversation (and its caches)
   /stats   statistics of this session
   /help    this help
@@ -68,18 +70,34 @@ class ChatSession:
             self.model, self.tokenizer, messages, prompt_cache=self.cache, checkpoint_at=[len(stable)],
             enable_thinking=self.think, **self.generation,
         )
-        self.last_tokens = []
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                    enable_thinking=self.think)
+        thinks = START in (self.tokenizer.chat_template or "")
+        splitter = ReasoningSplitter(thinks and opens_reasoning(prompt), enabled=thinks)
+        self.last_tokens, reasoning = [], ""
+
+        def show(thought: str, answer: str) -> None:
+            nonlocal text, reasoning
+            if thought:
+                out.write(f"{DIM}{thought}{RESET}")
+            out.write(answer)
+            out.flush()
+            text, reasoning = text + answer, reasoning + thought
+
+        stopped = False
         try:
             for last in stream:
                 self.last_tokens.append(last.token)
-                out.write(last.text)
-                out.flush()
-                text += last.text
+                show(*splitter.push(last.text))
         except KeyboardInterrupt:
             stream.close()
-            out.write(" [stopped]")
-        out.write("\n")
-        self.history += [{"role": "user", "content": user}, {"role": "assistant", "content": text}]
+            stopped = True
+        show(*splitter.flush())
+        out.write(" [stopped]\n" if stopped else "\n")
+        answer = {"role": "assistant", "content": text}
+        if reasoning:
+            answer["reasoning_content"] = reasoning  # the template decides whether earlier reasoning is shown again
+        self.history += [{"role": "user", "content": user}, answer]
         if last is not None:
             self.stats.add(last)
         return last
@@ -108,6 +126,9 @@ def run_chat(session: ChatSession, speculative: bool) -> None:
             print("(conversation cleared)")
         elif command == "/stats":
             print(summary(session.stats))
+        elif command == "/think":
+            session.think = not session.think
+            print(f"(thinking {'on' if session.think else 'off'})")
         elif command.startswith("/"):
             print(f"unknown command {command}; /help lists them")
         else:

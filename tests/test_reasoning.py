@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_mlx.server.reasoning import ReasoningSplitter, opens_reasoning, thinking_switch
+from dflash_mlx.reasoning import ReasoningSplitter, opens_reasoning, thinking_switch
 
 # The generation prompts Qwen3.5's template renders, thinking on (its default) and off.
 THINKING_PROMPT = "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n<think>\n"

@@ -99,3 +99,39 @@ def test_the_served_model_id_is_what_the_user_named(tmp_path):
     assert served_name("Qwen/Qwen3.5-9B") == "Qwen/Qwen3.5-9B"
     (tmp_path / "my-model").mkdir()
     assert served_name(str(tmp_path / "my-model")) == "my-model"
+
+
+def test_chat_shows_the_reasoning_dimmed_and_keeps_it_apart(local):
+    import io
+
+    from dflash_mlx.chat import DIM, RESET, ChatSession
+
+    model, tokenizer = local
+    session = ChatSession(model, tokenizer, think=True, generation={"max_tokens": 40})
+    out = io.StringIO()
+    session.ask("hello", out=out)
+    assert out.getvalue().replace(RESET + DIM, "") == f"{DIM}{REASONING}{RESET}{ANSWER}\n"  # dim, token by token
+    assert session.history[-1] == {"role": "assistant", "content": ANSWER, "reasoning_content": REASONING}
+
+
+def test_slash_think_toggles_thinking(pair):
+    import os
+    import sys
+
+    import pexpect
+
+    child = pexpect.spawn(sys.executable, ["-m", "dflash_mlx.cli", "chat", "-m", str(pair[0]), "-d", str(pair[1]),
+                                           "--max-tokens", "40", "--think"],
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, encoding="utf-8", timeout=120)
+    child.expect(">>> ")
+    child.sendline("/think")
+    child.expect(r"\(thinking off\)")
+    child.expect(">>> ")
+    child.sendline("/think")
+    child.expect(r"\(thinking on\)")
+    child.expect(">>> ")
+    child.sendline("hello")
+    child.expect("jumps over a block")
+    child.expect(">>> ")
+    child.sendeof()
+    child.expect(pexpect.EOF)

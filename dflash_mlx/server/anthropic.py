@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .engine import ContextFull, Engine, GenerationFailed, Job, cancel_on_disconnect, current_engine, job_events
 from .errors import APIError
-from .reasoning import START, ReasoningSplitter, opens_reasoning
+from ..reasoning import START, ReasoningSplitter, opens_reasoning
 from .tool_calls import ToolCall, ToolCallScanner
 
 router = APIRouter()

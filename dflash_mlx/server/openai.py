@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..api import GenerationResponse, encode_prompt
 from .engine import ContextFull, Engine, GenerationFailed, Job, cancel_on_disconnect, current_engine, job_events
 from .errors import APIError, error_body
-from .reasoning import START, ReasoningSplitter, opens_reasoning, thinking_switch
+from ..reasoning import START, ReasoningSplitter, opens_reasoning, thinking_switch
 from .tool_calls import ToolCall, ToolCallScanner, split_text_and_calls
 
 ARGUMENT_FRAGMENT = 16  # characters of a streamed call's JSON arguments per chunk, as OpenAI streams them

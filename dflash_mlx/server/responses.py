@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .engine import ContextFull, Engine, GenerationFailed, Job, cancel_on_disconnect, current_engine, job_events
 from .errors import APIError
-from .reasoning import START, ReasoningSplitter, opens_reasoning, thinking_switch
+from ..reasoning import START, ReasoningSplitter, opens_reasoning, thinking_switch
 from .tool_calls import ToolCall, ToolCallScanner
 
 router = APIRouter()

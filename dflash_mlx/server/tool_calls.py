@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
 
-from .reasoning import partial_suffix
+from ..reasoning import partial_suffix
 
 
 @dataclass
