@@ -19,8 +19,12 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather of 
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    pair = write_scripted_pair(tmp_path_factory.mktemp("responses"), f"{REASONING}</think>{CALL}")
+def pair(tmp_path_factory):
+    return write_scripted_pair(tmp_path_factory.mktemp("responses"), f"{REASONING}</think>{CALL}")
+
+
+@pytest.fixture(scope="module")
+def client(pair):
     process, url = start_server(*pair)
     yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
     process.terminate()
@@ -32,13 +36,29 @@ def create(client, **kwargs):
     return client.responses.create(**kwargs)
 
 
-def test_reasoning_and_function_call_items(client):
+def test_reasoning_and_function_call_items(client, pair):
     response = create(client)
     assert response.status == "completed" and [item.type for item in response.output] == ["reasoning", "function_call"]
     assert response.output[0].content[0].text == REASONING
     call = response.output[1]
     assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"} and call.call_id.startswith("call_")
     assert response.usage.input_tokens > 0 and response.usage.output_tokens > 0
+    from dflash_mlx import generate
+    from dflash_mlx.api import load
+
+    model, tokenizer = load(str(pair[0]), draft=str(pair[1]))  # the library's greedy text, split into the items
+    tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")}} for t in TOOLS]
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "weather in Paris?"}], tools=tools, add_generation_prompt=True)
+    assert len(ids) == response.usage.input_tokens
+    assert generate(model, tokenizer, ids, max_tokens=60) == f"{REASONING}</think>{CALL}"
+
+
+def test_the_codex_example_points_at_the_responses_api():
+    from pathlib import Path
+
+    config = (Path(__file__).resolve().parents[1] / "examples/editors/codex-config.toml").read_text()
+    assert 'wire_api = "responses"' in config and 'base_url = "http://127.0.0.1:8080/v1"' in config
+    assert 'model_provider = "dflash-mlx"' in config and "[model_providers.dflash-mlx]" in config
 
 
 def test_the_streamed_events(client):
@@ -99,3 +119,20 @@ def test_what_is_not_supported_is_a_clear_400(client, options, message):
     with pytest.raises(openai.BadRequestError) as refused:
         create(client, **options)
     assert message in refused.value.body["message"]
+
+
+def test_chat_completions_stream_the_same_call_as_tool_call_deltas(client):
+    """The same server through chat completions: the reasoning apart, the call parsed, streamed
+    as delta.tool_calls (id and name first, then argument fragments)."""
+    tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")}} for t in TOOLS]
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    reply = client.chat.completions.create(model="target", messages=messages, tools=tools, temperature=0, max_tokens=60)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.reasoning_content == REASONING
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [("get_weather", {"city": "Paris"})]
+    chunks = list(client.chat.completions.create(model="target", messages=messages, tools=tools, temperature=0,
+                                                 max_tokens=60, stream=True))
+    calls = [c for chunk in chunks for ch in chunk.choices for c in (ch.delta.tool_calls or [])]
+    assert calls[0].id.startswith("call_") and calls[0].function.name == "get_weather" and calls[0].function.arguments == ""
+    assert json.loads("".join(c.function.arguments or "" for c in calls)) == {"city": "Paris"} and len(calls) > 2
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
