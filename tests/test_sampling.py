@@ -43,7 +43,8 @@ def sampled_joint(target, draft, sampler, seed, blocks=lambda: 4, samples=SAMPLE
     counts = np.zeros((V, V))
     for _ in range(samples):
         tokens = []
-        for commit in loop.speculative(target, draft, PROMPT, sampler, block_tokens=blocks()):
+        # max_tokens: no cycle is dispatched past the third token (the loops run one step ahead).
+        for commit in loop.speculative(target, draft, PROMPT, sampler, block_tokens=blocks(), max_tokens=3):
             tokens.extend(commit.tokens)
             if len(tokens) >= 3:
                 break
@@ -163,7 +164,7 @@ def test_target_only_sampling_follows_its_distribution(small_pair):
     p1 = np.array(sampler.probs(target(PROMPT[None])[0, -1]))
     counts = np.zeros(V)
     for _ in range(SAMPLES):
-        counts[next(loop.target_only(target, PROMPT, sampler)).tokens[0]] += 1
+        counts[next(loop.target_only(target, PROMPT, sampler, max_tokens=1)).tokens[0]] += 1
     assert goodness_of_fit(counts, p1) > 1e-3
 
 

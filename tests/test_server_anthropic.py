@@ -154,3 +154,13 @@ def test_the_sdk_example_runs_against_the_server(server):
     assert "stop_reason: tool_use" in done.stdout and "after the tool: tool_use" in done.stdout
     claude = (root / "examples/editors/claude-code.sh").read_text()
     assert "ANTHROPIC_BASE_URL" in claude and "ANTHROPIC_MODEL" in claude
+
+
+def test_a_text_answer_streams_as_text_deltas(server):
+    """Without tools a call-shaped answer is text: thinking block, then a text block of text_deltas."""
+    body = {"model": "target", "max_tokens": 60, "messages": ASK, "stream": True, "temperature": 0}
+    names, data = events(server, body)
+    starts = [d["content_block"]["type"] for d in data if d["type"] == "content_block_start"]
+    assert starts == ["thinking", "text"]
+    text = "".join(d["delta"]["text"] for d in data if d["type"] == "content_block_delta" and d["delta"]["type"] == "text_delta")
+    assert text == CALL and next(d for d in data if d["type"] == "message_delta")["delta"]["stop_reason"] == "end_turn"
