@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import mlx.core as mx
-import pytest
 
 from dflash_mlx import device, doctor, kernels
 from dflash_mlx.api import load, stream_generate

@@ -13,7 +13,6 @@ import warnings
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 import pytest
 
 from dflash_mlx import kernels

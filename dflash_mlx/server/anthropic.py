@@ -8,7 +8,6 @@ answer comes back as content blocks: ``thinking`` (the reasoning), ``text`` and 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from typing import Any, Dict, List, Literal, Optional, Union
@@ -17,14 +16,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .engine import ContextFull, Engine, GenerationFailed, Job, cancel_on_disconnect, current_engine, job_events
+from .engine import ContextFull, Engine, Job, collect, current_engine, job_events
 from .errors import APIError
-from ..reasoning import START, ReasoningSplitter, opens_reasoning
 from .tool_calls import ToolCall, ToolCallScanner
 
 router = APIRouter()
-
-ARGUMENT_FRAGMENT = 16  # characters of a tool call's JSON input per input_json_delta
 
 
 class Block(BaseModel):
@@ -125,12 +121,7 @@ async def _prompt(engine: Engine, req: CountTokensRequest) -> List[int]:
     if choice not in (None, "auto", "none"):
         raise APIError(400, f"tool_choice {choice!r} is not supported: use 'auto' or 'none'", param="tool_choice")
     extra = {} if _thinking(req) is None else {"enable_thinking": _thinking(req)}
-    try:  # off the event loop: a long conversation takes a while to render and tokenize
-        ids = await asyncio.to_thread(engine.tokenizer.apply_chat_template, chat_messages(req), tools=_tools(req),
-                                      add_generation_prompt=True, tokenize=True, **extra)
-    except Exception as e:
-        raise APIError(400, f"cannot apply the chat template to these messages: {e}", param="messages") from e
-    return list(ids)
+    return await engine.render(chat_messages(req), _tools(req), **extra)
 
 
 def _check_model(engine: Engine, name: str) -> None:
@@ -154,11 +145,8 @@ async def messages(req: MessagesRequest, request: Request, engine: Engine = Depe
         raise APIError(400, str(e), param="messages") from e
     job = engine.submit(prompt, dict(max_tokens=budget, temp=req.temperature, top_p=req.top_p or 1.0,
                                      top_k=req.top_k or 0, stop=req.stop_sequences or []))
-    thinks = START in (engine.tokenizer.chat_template or "")
-    opened = thinks and opens_reasoning(engine.tokenizer.decode(prompt[-16:]))
     tools = _tools(req)
-    reply = _Reply(engine.name, lambda: ReasoningSplitter(opened, enabled=thinks),
-                   lambda: ToolCallScanner(engine.tokenizer if tools else None, tools))
+    reply = _Reply(engine.name, engine.splitter(prompt), lambda: ToolCallScanner(engine.tokenizer if tools else None, tools))
     if req.stream:
         return StreamingResponse(reply.stream(job), media_type="text/event-stream")
     return JSONResponse(await reply.whole(job, request))
@@ -187,23 +175,8 @@ class _Reply:
         return {"input_tokens": prompt - cached, "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0,
                 "output_tokens": output_tokens if output_tokens is not None else (last.generation_tokens if last else 0)}
 
-    async def _events(self, job: Job):
-        try:
-            async for event in job_events(job):
-                yield event
-        except GenerationFailed as e:
-            raise APIError(500, str(e), "api_error") from e
-
     async def whole(self, job: Job, request: Optional[Request] = None) -> Dict[str, Any]:
-        watcher = asyncio.create_task(cancel_on_disconnect(request, job)) if request is not None else None
-        text, last = "", None
-        try:
-            async for kind, r in self._events(job):
-                if kind == "token":
-                    text, last = text + r.text, r
-        finally:
-            if watcher is not None:
-                watcher.cancel()
+        text, last = await collect(job, request, "api_error")
         splitter, scanner = self.splitter(), self.scanner()
         thought, answer = splitter.push(text)
         more_thought, more_answer = splitter.flush()
@@ -226,7 +199,7 @@ class _Reply:
             yield _event("message_start", {"type": "message_start", "message": {
                 "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
                 "stop_reason": None, "stop_sequence": None, "usage": self._usage(None, 0)}})
-            async for kind, r in self._events(job):
+            async for kind, r in job_events(job, "api_error"):
                 if kind == "token":
                     last = r
                     for event in blocks.add(*splitter.push(r.text), scanner):
@@ -276,9 +249,8 @@ class _Blocks:
                 yield self._delta({"type": "text_delta", "text": piece})
                 continue
             yield from self._start("tool_use", {"type": "tool_use", "id": piece.id, "name": piece.name, "input": {}})
-            arguments = piece.arguments_json
-            for start in range(0, len(arguments), ARGUMENT_FRAGMENT):
-                yield self._delta({"type": "input_json_delta", "partial_json": arguments[start:start + ARGUMENT_FRAGMENT]})
+            for fragment in piece.fragments():
+                yield self._delta({"type": "input_json_delta", "partial_json": fragment})
             yield from self.close()
 
     def _delta(self, delta: Dict[str, Any]) -> str:

@@ -13,12 +13,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 from starlette.requests import Request
 
 from ..api import DFlashModel, GenerationResponse, RunTotals, stream_generate
 from ..prompt_cache import PromptCachePool
+from ..reasoning import START, ReasoningSplitter, opens_reasoning
+from .errors import APIError
 
 LOG = logging.getLogger("dflash_mlx.server")
 
@@ -124,6 +126,23 @@ class Engine:
         budget = min(requested or self.max_tokens_cap, self.max_tokens_cap)
         return budget if limit is None else min(budget, limit - prompt_tokens)
 
+    async def render(self, messages: List[Dict[str, Any]], tools=None, param: str = "messages", **template_kwargs) -> List[int]:
+        """The prompt's token ids through the chat template, off the event loop (a long
+        conversation takes a while to render and tokenize); a template error is a 400."""
+        try:
+            ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, tools=tools,
+                                          add_generation_prompt=True, tokenize=True, **template_kwargs)
+        except Exception as e:
+            raise APIError(400, f"cannot apply the chat template to these messages: {e}", param=param) from e
+        return list(ids)
+
+    def splitter(self, prompt_ids: List[int]) -> Callable[[], ReasoningSplitter]:
+        """Fresh reasoning splitters for answers to this prompt: on when the template thinks,
+        starting inside the reasoning when the prompt opened it."""
+        thinks = START in (self.tokenizer.chat_template or "")
+        opened = thinks and opens_reasoning(self.tokenizer.decode(prompt_ids[-16:]))
+        return lambda: ReasoningSplitter(opened, enabled=thinks)
+
     def submit(self, prompt, options: Dict[str, Any]) -> Job:
         job = Job(prompt, {"block_tokens": self.block_tokens, **options}, asyncio.Queue(), asyncio.get_running_loop())
         self.metrics.count("queued")
@@ -162,23 +181,35 @@ def current_engine(request: Request) -> Engine:
     return request.app.state.engine
 
 
-class GenerationFailed(Exception):
-    """The worker reported an error for a job (logged there with its traceback)."""
-
-
-async def job_events(job: Job):
-    """A job's ``token`` and ``done`` events as the worker sends them; an ``error`` raises
-    ``GenerationFailed``. Leaving the loop (a client gone, or the end) cancels the job."""
+async def job_events(job: Job, failure_kind: str = "server_error"):
+    """A job's ``token`` and ``done`` events as the worker sends them; an ``error`` becomes a 500
+    (``failure_kind`` in the protocol's words). Leaving the loop (a client gone, or the end)
+    cancels the job."""
     try:
         while True:
             kind, payload = await job.queue.get()
             if kind == "error":
-                raise GenerationFailed(payload)
+                raise APIError(500, payload, failure_kind)
             yield kind, payload
             if kind == "done":
                 return
     finally:
         job.cancelled.set()
+
+
+async def collect(job: Job, request: Optional[Request], failure_kind: str = "server_error"):
+    """The whole answer's text and its last response, for a non-streaming request (whose
+    connection is watched meanwhile: a client that gives up frees the model)."""
+    watcher = asyncio.create_task(cancel_on_disconnect(request, job)) if request is not None else None
+    text, last = "", None
+    try:
+        async for kind, r in job_events(job, failure_kind):
+            if kind == "token":
+                text, last = text + r.text, r
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+    return text, last
 
 
 async def cancel_on_disconnect(request: Request, job: Job, every: float = 0.1) -> None:

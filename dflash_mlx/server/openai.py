@@ -17,12 +17,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..api import GenerationResponse, encode_prompt
-from .engine import ContextFull, Engine, GenerationFailed, Job, cancel_on_disconnect, current_engine, job_events
+from .engine import ContextFull, Engine, Job, collect, current_engine, job_events
 from .errors import APIError, error_body
-from ..reasoning import START, ReasoningSplitter, opens_reasoning, thinking_switch
+from ..reasoning import ReasoningSplitter, thinking_switch
 from .tool_calls import ToolCall, ToolCallScanner, split_text_and_calls
-
-ARGUMENT_FRAGMENT = 16  # characters of a streamed call's JSON arguments per chunk, as OpenAI streams them
 
 router = APIRouter()
 
@@ -128,18 +126,12 @@ async def chat_completions(req: ChatRequest, request: Request, engine: Engine = 
     thinking = thinking_switch(req.chat_template_kwargs, req.reasoning_effort, req.reasoning)
     if thinking is not None:
         template_kwargs["enable_thinking"] = thinking
-    try:  # off the event loop: a long conversation takes a while to render and tokenize
-        prompt_ids = await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages, tools=tools,
-                                             add_generation_prompt=True, tokenize=True, **template_kwargs)
-    except Exception as e:
-        raise APIError(400, f"cannot apply the chat template to these messages: {e}", param="messages") from e
+    prompt_ids = await engine.render(messages, tools, **template_kwargs)
     opts = options(engine, req, req.max_completion_tokens or req.max_tokens, prompt_ids)
     job = engine.submit(list(prompt_ids), opts)
     include_usage = bool((req.stream_options or {}).get("include_usage"))
-    thinks = START in (engine.tokenizer.chat_template or "")  # a template without thinking: no split
-    opened = thinks and opens_reasoning(engine.tokenizer.decode(list(prompt_ids)[-16:]))
     reply = _Reply("chat.completion", engine.name, engine.tokenizer if tools else None, tools,
-                   reasoning=lambda: ReasoningSplitter(opened, enabled=thinks))
+                   reasoning=engine.splitter(prompt_ids))
     if req.stream:
         return StreamingResponse(reply.stream(job, include_usage), media_type="text/event-stream")
     return JSONResponse(await reply.whole(job, request))
@@ -220,25 +212,10 @@ class _Reply:
         content, calls = split_text_and_calls(ToolCallScanner(self.tokenizer, self.tools), text)
         return (content.rstrip() if calls else content), [_openai_call(c) for c in calls]
 
-    async def _events(self, job: Job):
-        try:
-            async for event in job_events(job):
-                yield event
-        except GenerationFailed as e:
-            raise APIError(500, str(e), "server_error") from e
-
     async def whole(self, job: Job, request: Optional[Request] = None) -> Dict[str, Any]:
         """The whole answer. Nothing is sent before it is done, so a disconnect is only seen by
         watching for it: a client that gives up frees the model at the next step."""
-        watcher = asyncio.create_task(cancel_on_disconnect(request, job)) if request is not None else None
-        text, last = "", None
-        try:
-            async for kind, r in self._events(job):
-                if kind == "token":
-                    text, last = text + r.text, r
-        finally:
-            if watcher is not None:
-                watcher.cancel()
+        text, last = await collect(job, request)
         finish = last.finish_reason if last else "stop"
         if self.kind == "text_completion":
             choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
@@ -281,9 +258,8 @@ class _Reply:
             index = piece.index
             yield self._chunk({"tool_calls": [{"index": index, "id": piece.id, "type": "function",
                                                "function": {"name": piece.name, "arguments": ""}}]})
-            arguments = piece.arguments_json
-            for start in range(0, len(arguments), ARGUMENT_FRAGMENT):
-                yield self._chunk({"tool_calls": [{"index": index, "function": {"arguments": arguments[start:start + ARGUMENT_FRAGMENT]}}]})
+            for fragment in piece.fragments():
+                yield self._chunk({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]})
 
     async def stream(self, job: Job, include_usage: bool):
         """Server-sent events: reasoning deltas, content deltas, and each tool call as soon as its
@@ -293,7 +269,7 @@ class _Reply:
         try:
             if chat:
                 yield self._chunk({"role": "assistant", "content": ""})
-            async for kind, r in self._events(job):
+            async for kind, r in job_events(job):
                 if kind != "token":
                     continue
                 last = r

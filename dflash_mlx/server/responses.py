@@ -8,7 +8,6 @@ conversation (the prefix cache makes that cheap).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -18,14 +17,12 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .engine import ContextFull, Engine, GenerationFailed, Job, cancel_on_disconnect, current_engine, job_events
+from .engine import ContextFull, Engine, Job, collect, current_engine, job_events
 from .errors import APIError
-from ..reasoning import START, ReasoningSplitter, opens_reasoning, thinking_switch
+from ..reasoning import thinking_switch
 from .tool_calls import ToolCall, ToolCallScanner
 
 router = APIRouter()
-
-ARGUMENT_FRAGMENT = 16
 
 
 class ResponsesRequest(BaseModel):
@@ -133,22 +130,13 @@ async def responses(req: ResponsesRequest, request: Request, engine: Engine = De
     tools = _tools(req)
     thinking = thinking_switch(None, None, req.reasoning)
     extra = {} if thinking is None else {"enable_thinking": thinking}
-    try:  # off the event loop: a long conversation takes a while to render and tokenize
-        prompt = list(await asyncio.to_thread(engine.tokenizer.apply_chat_template, chat_messages(req), tools=tools,
-                                              add_generation_prompt=True, tokenize=True, **extra))
-    except APIError:
-        raise
-    except Exception as e:
-        raise APIError(400, f"cannot apply the chat template to this input: {e}", param="input") from e
+    prompt = await engine.render(chat_messages(req), tools, param="input", **extra)
     try:
         budget = engine.answer_budget(len(prompt), req.max_output_tokens)
     except ContextFull as e:
         raise APIError(400, str(e), param="input", code="context_length_exceeded") from e
     job = engine.submit(prompt, dict(max_tokens=budget, temp=req.temperature, top_p=req.top_p))
-    thinks = START in (engine.tokenizer.chat_template or "")
-    opened = thinks and opens_reasoning(engine.tokenizer.decode(prompt[-16:]))
-    reply = _Reply(engine.name, req, lambda: ReasoningSplitter(opened, enabled=thinks),
-                   lambda: ToolCallScanner(engine.tokenizer if tools else None, tools))
+    reply = _Reply(engine.name, req, engine.splitter(prompt), lambda: ToolCallScanner(engine.tokenizer if tools else None, tools))
     if req.stream:
         return StreamingResponse(reply.stream(job), media_type="text/event-stream")
     return JSONResponse(await reply.whole(job, request))
@@ -181,23 +169,8 @@ class _Reply:
                       "total_tokens": prompt + generated} if last else None,
         }
 
-    async def _events(self, job: Job):
-        try:
-            async for event in job_events(job):
-                yield event
-        except GenerationFailed as e:
-            raise APIError(500, str(e), "server_error") from e
-
     async def whole(self, job: Job, request: Optional[Request] = None) -> Dict[str, Any]:
-        watcher = asyncio.create_task(cancel_on_disconnect(request, job)) if request is not None else None
-        text, last = "", None
-        try:
-            async for kind, r in self._events(job):
-                if kind == "token":
-                    text, last = text + r.text, r
-        finally:
-            if watcher is not None:
-                watcher.cancel()
+        text, last = await collect(job, request)
         splitter, scanner = self.splitter(), self.scanner()
         thought, answer = splitter.push(text)
         more_thought, more_answer = splitter.flush()
@@ -223,7 +196,7 @@ class _Reply:
         try:
             yield self._event("response.created", response=self._response("in_progress", []))
             yield self._event("response.in_progress", response=self._response("in_progress", []))
-            async for kind, r in self._events(job):
+            async for kind, r in job_events(job):
                 if kind == "token":
                     last = r
                     for event in items.add(*splitter.push(r.text), scanner):
@@ -316,11 +289,10 @@ class _Items:
             yield from self.close()
             index, item = len(self.done), _call_item(piece, "in_progress")
             yield event("response.output_item.added", output_index=index, item={**item, "arguments": ""})
-            arguments = piece.arguments_json
-            for start in range(0, len(arguments), ARGUMENT_FRAGMENT):
-                yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                            delta=arguments[start:start + ARGUMENT_FRAGMENT])
-            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index, arguments=arguments)
+            for fragment in piece.fragments():
+                yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=fragment)
+            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                        arguments=piece.arguments_json)
             done = _call_item(piece)
             yield event("response.output_item.done", output_index=index, item=done)
             self.done.append(done)

@@ -24,6 +24,11 @@ class ToolCall:
     def arguments_json(self) -> str:
         return json.dumps(self.arguments)
 
+    def fragments(self, size: int = 16) -> List[str]:
+        """The JSON arguments in pieces, as streamed calls send them (clients concatenate)."""
+        text = self.arguments_json
+        return [text[i:i + size] for i in range(0, len(text), size)]
+
 
 class ToolCallScanner:
     """``push(text)`` returns, in order, plain text and each ``ToolCall`` whose block has closed.
