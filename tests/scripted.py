@@ -8,6 +8,7 @@ token (nor use that one)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -64,3 +65,16 @@ def write_scripted_pair(root: Path, reply: str, template: str = QWEN35_TEMPLATE)
     weights["lm_head.weight"] = head
     save_file(weights, str(target_dir / "model.safetensors"), metadata={"format": "pt"})
     return target_dir, draft_dir
+
+
+@contextmanager
+def running_server(pair, *options):
+    """``dflash-mlx serve`` on the pair for the duration of the block; yields its URL."""
+    from tests.test_server import start_server
+
+    process, url = start_server(*pair, *options)
+    try:
+        yield url
+    finally:
+        process.terminate()
+        process.wait(10)

@@ -12,8 +12,7 @@ import pytest
 
 from dflash_mlx import generate
 from dflash_mlx.api import load
-from tests.scripted import write_scripted_pair
-from tests.test_server import start_server
+from tests.scripted import running_server, write_scripted_pair
 
 KEY = "sk-ant-test"
 REASONING = "The quick brown fox"
@@ -30,10 +29,8 @@ def pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(pair):
-    process, url = start_server(*pair, "--api-key", KEY)
-    yield url
-    process.terminate()
-    process.wait(10)
+    with running_server(pair, "--api-key", KEY) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,7 @@ import pytest
 
 from dflash_mlx import generate
 from dflash_mlx.api import load
-from tests.scripted import write_scripted_pair
-from tests.test_server import start_server
+from tests.scripted import running_server, write_scripted_pair
 
 REASONING, ANSWER = "The quick brown fox", " jumps over a block"
 
@@ -21,10 +20,8 @@ def pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(pair):
-    process, url = start_server(*pair)
-    yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
-    process.terminate()
-    process.wait(10)
+    with running_server(pair) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")

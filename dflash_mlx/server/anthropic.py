@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .engine import ContextFull, Engine, Job, collect, current_engine, job_events
 from .errors import APIError
-from .tool_calls import ToolCall, ToolCallScanner
+from .tool_calls import ToolCallScanner, answer_parts
 
 router = APIRouter()
 
@@ -177,17 +177,12 @@ class _Reply:
 
     async def whole(self, job: Job, request: Optional[Request] = None) -> Dict[str, Any]:
         text, last = await collect(job, request, "api_error")
-        splitter, scanner = self.splitter(), self.scanner()
-        thought, answer = splitter.push(text)
-        more_thought, more_answer = splitter.flush()
-        pieces = scanner.push(answer + more_answer) + scanner.flush()
-        content: List[Dict[str, Any]] = []
-        if thought + more_thought:
-            content.append({"type": "thinking", "thinking": thought + more_thought, "signature": ""})
-        words = "".join(p for p in pieces if isinstance(p, str))
-        if words.strip() or not (scanner.calls or content):  # an answer cut off in its thinking has no text
-            content.append({"type": "text", "text": words.rstrip() if scanner.calls else words})
-        content += [{"type": "tool_use", "id": p.id, "name": p.name, "input": p.arguments} for p in pieces if isinstance(p, ToolCall)]
+        scanner = self.scanner()
+        thought, words, calls = answer_parts(text, self.splitter(), scanner)
+        content: List[Dict[str, Any]] = [{"type": "thinking", "thinking": thought, "signature": ""}] if thought else []
+        if words.strip() or not (calls or content):  # an answer cut off in its thinking has no text
+            content.append({"type": "text", "text": words.rstrip() if calls else words})
+        content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in calls]
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
                 "stop_reason": _stop_reason(last, scanner.calls),
                 "stop_sequence": getattr(last, "stop_sequence", None) if last else None, "usage": self._usage(last)}

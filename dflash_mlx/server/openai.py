@@ -20,7 +20,7 @@ from ..api import GenerationResponse, encode_prompt
 from .engine import ContextFull, Engine, Job, collect, current_engine, job_events
 from .errors import APIError, error_body
 from ..reasoning import ReasoningSplitter, thinking_switch
-from .tool_calls import ToolCall, ToolCallScanner, split_text_and_calls
+from .tool_calls import ToolCall, ToolCallScanner, answer_parts, split_text_and_calls
 
 router = APIRouter()
 
@@ -220,11 +220,8 @@ class _Reply:
         if self.kind == "text_completion":
             choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
         else:
-            splitter = self.reasoning()
-            thought, answer = splitter.push(text)
-            rest_thought, rest_answer = splitter.flush()
-            thought, answer = thought + rest_thought, answer + rest_answer
-            content, calls = self._tool_calls(answer)
+            thought, content, found = answer_parts(text, self.reasoning(), ToolCallScanner(self.tokenizer, self.tools))
+            content, calls = (content.rstrip() if found else content), [_openai_call(c) for c in found]
             message = {"role": "assistant", "content": content if content or not calls else None}
             if thought:
                 message["reasoning_content"] = message["reasoning"] = thought

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .engine import ContextFull, Engine, Job, collect, current_engine, job_events
 from .errors import APIError
 from ..reasoning import thinking_switch
-from .tool_calls import ToolCall, ToolCallScanner
+from .tool_calls import ToolCall, ToolCallScanner, answer_parts
 
 router = APIRouter()
 
@@ -171,17 +171,11 @@ class _Reply:
 
     async def whole(self, job: Job, request: Optional[Request] = None) -> Dict[str, Any]:
         text, last = await collect(job, request)
-        splitter, scanner = self.splitter(), self.scanner()
-        thought, answer = splitter.push(text)
-        more_thought, more_answer = splitter.flush()
-        pieces = scanner.push(answer + more_answer) + scanner.flush()
-        output: List[Dict[str, Any]] = []
-        if thought + more_thought:
-            output.append(_reasoning_item(_item_id("rs"), thought + more_thought))
-        words = "".join(p for p in pieces if isinstance(p, str))
-        if words.strip() or not (scanner.calls or output):  # an answer cut off in its reasoning has no message
-            output.append(_message_item(_item_id("msg"), words.rstrip() if scanner.calls else words))
-        output += [_call_item(p) for p in pieces if isinstance(p, ToolCall)]
+        thought, words, calls = answer_parts(text, self.splitter(), self.scanner())
+        output: List[Dict[str, Any]] = [_reasoning_item(_item_id("rs"), thought)] if thought else []
+        if words.strip() or not (calls or output):  # an answer cut off in its reasoning has no message
+            output.append(_message_item(_item_id("msg"), words.rstrip() if calls else words))
+        output += [_call_item(c) for c in calls]
         status = "incomplete" if last is not None and last.finish_reason == "length" else "completed"
         return self._response(status, output, last)
 

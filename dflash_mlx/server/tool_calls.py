@@ -87,6 +87,14 @@ class ToolCallScanner:
         return calls
 
 
+def answer_parts(text: str, splitter, scanner: ToolCallScanner):
+    """A whole answer: its reasoning, its text outside tool-call blocks, and its calls."""
+    thought, answer = splitter.push(text)
+    more_thought, more_answer = splitter.flush()
+    words, calls = split_text_and_calls(scanner, answer + more_answer)
+    return thought + more_thought, words, calls
+
+
 def split_text_and_calls(scanner: ToolCallScanner, text: str):
     """The whole answer at once: its text (outside the blocks) and its calls."""
     pieces = scanner.push(text) + scanner.flush()
