@@ -19,6 +19,7 @@ from .block_policy import AutoBlock, BlockStats, BlockTokens
 from .models.dflash import DFlashDraft, quantize_draft
 from .models.qwen3_5 import Model as Target
 from .prompt_cache import PromptCache, PromptCachePool
+from .reasoning import partial_suffix
 from .sampling import Sampler
 from .speculative import Cancelled, speculative, target_only
 
@@ -251,12 +252,7 @@ class _StopText:
             if i >= 0:
                 out, self.pending, self.matched = self.pending[:i], "", s
                 return out, True
-        hold = 0
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(self.pending)), 0, -1):
-                if self.pending.endswith(s[:n]):
-                    hold = max(hold, n)
-                    break
+        hold = max((partial_suffix(self.pending, s) for s in self.stops), default=0)
         cut = len(self.pending) - hold
         out, self.pending = self.pending[:cut], self.pending[cut:]
         return out, False

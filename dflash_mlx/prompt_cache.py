@@ -68,6 +68,11 @@ class PromptCache:
         live = len(self.tokens) if self._live_is_consistent() and 0 < len(self.tokens) <= shared else 0
         return max([p for p in self.checkpoints if p <= shared] + [live])
 
+    def _states_at(self, start: int) -> list:
+        """The Gated DeltaNet states after the first ``start`` tokens (a ``restart_point``)."""
+        live = start == len(self.tokens) and self._live_is_consistent()
+        return self._gdn_states() if live else self.checkpoints[start]
+
     def checkpoint(self, position: int) -> None:
         """Remember the Gated DeltaNet states of the first ``position`` cached tokens (the live
         ones: call it when the cache holds exactly that many)."""
@@ -86,8 +91,7 @@ class PromptCache:
             self.draft_cache = draft.make_cache(draft_window) if draft is not None else None
             start = 0
         else:
-            states = iter(self._gdn_states() if start == len(self.tokens) and self._live_is_consistent()
-                          else self.checkpoints[start])
+            states = iter(self._states_at(start))
             for c in self.cache:
                 if isinstance(c, GatedDeltaCache):
                     c.conv_state, c.state = next(states)
@@ -139,8 +143,7 @@ class PromptCache:
         draft_cache = [c.fork(start) for c in self.draft_cache] if self.draft_cache is not None else None
         if start == 0 or (draft_cache is not None and None in draft_cache):
             return None
-        states = iter(self._gdn_states() if start == len(self.tokens) and self._live_is_consistent()
-                      else self.checkpoints[start])
+        states = iter(self._states_at(start))
         new = PromptCache(self.spread)
         new.owner, new.tokens, new.draft_cache = self.owner, self.tokens[:start], draft_cache
         new.checkpoints = {p: s for p, s in self.checkpoints.items() if p <= start}

@@ -73,6 +73,12 @@ class ReasoningSplitter:
                 break
         return reasoning, content
 
+    def whole(self, text: str) -> Tuple[str, str]:
+        """A whole answer at once: (reasoning, content)."""
+        thought, answer = self.push(text)
+        more_thought, more_answer = self.flush()
+        return thought + more_thought, answer + more_answer
+
     def flush(self) -> Tuple[str, str]:
         """The end of the answer: whatever was held back goes where it was heading."""
         held, self.pending = self.pending, ""

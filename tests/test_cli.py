@@ -221,3 +221,9 @@ def test_default_model_offline_says_what_is_missing(tmp_path):
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert "Jackrong/Qwopus3.5-9B-Coder" in done.stderr and "huggingface-cli download" in done.stderr
     assert not any((tmp_path / "home").glob("*")) if (tmp_path / "home").exists() else True
+
+
+def test_serve_refuses_a_negative_prompt_cache_budget_before_loading():
+    done = cli("serve", "--model", "demo", "--prompt-cache-gb", "-1")
+    assert done.returncode == 1 and "--prompt-cache-gb must not be negative (got -1.0)" in done.stderr
+    assert "--prompt-cache-gb" in cli("serve", "--help").stdout and "--mlx-lm" in cli("bench", "--help").stdout

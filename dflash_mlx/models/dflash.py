@@ -153,10 +153,9 @@ class DraftArgs:
             config["is_causal"] = self.is_causal
         if self.vocab_size is not None:
             config["vocab_size"] = self.vocab_size
-        defaults = DraftArgs(1, 1, 1, 1, 1, 1, 0)
         for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "output_multiplier",
                      "final_logit_softcapping", "input_embedding_scale"):
-            if getattr(self, name) != getattr(defaults, name):
+            if getattr(self, name) != DraftArgs.__dataclass_fields__[name].default:
                 config["dflash_config"][name] = getattr(self, name)
         return config
 

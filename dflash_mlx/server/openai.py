@@ -20,7 +20,7 @@ from ..api import GenerationResponse, encode_prompt
 from .engine import ContextFull, Engine, Job, collect, current_engine, job_events
 from .errors import APIError, error_body
 from ..reasoning import ReasoningSplitter, thinking_switch
-from .tool_calls import ToolCall, ToolCallScanner, answer_parts, split_text_and_calls
+from .tool_calls import ToolCall, ToolCallScanner, split_text_and_calls
 
 router = APIRouter()
 
@@ -220,8 +220,8 @@ class _Reply:
         if self.kind == "text_completion":
             choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
         else:
-            thought, content, found = answer_parts(text, self.reasoning(), ToolCallScanner(self.tokenizer, self.tools))
-            content, calls = (content.rstrip() if found else content), [_openai_call(c) for c in found]
+            thought, answer = self.reasoning().whole(text)
+            content, calls = self._tool_calls(answer)
             message = {"role": "assistant", "content": content if content or not calls else None}
             if thought:
                 message["reasoning_content"] = message["reasoning"] = thought
@@ -249,14 +249,13 @@ class _Reply:
         pieces = scanner.push(text) + (scanner.flush() if final else [])
         for piece in pieces:
             if isinstance(piece, str):
-                if not (scanner.calls and not piece.strip()):  # whitespace between calls is not content
+                if piece.strip() or not scanner.calls:  # whitespace between calls is not content
                     yield self._chunk({"content": piece})
                 continue
-            index = piece.index
-            yield self._chunk({"tool_calls": [{"index": index, "id": piece.id, "type": "function",
+            yield self._chunk({"tool_calls": [{"index": piece.index, "id": piece.id, "type": "function",
                                                "function": {"name": piece.name, "arguments": ""}}]})
             for fragment in piece.fragments():
-                yield self._chunk({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]})
+                yield self._chunk({"tool_calls": [{"index": piece.index, "function": {"arguments": fragment}}]})
 
     async def stream(self, job: Job, include_usage: bool):
         """Server-sent events: reasoning deltas, content deltas, and each tool call as soon as its

@@ -89,10 +89,9 @@ class ToolCallScanner:
 
 def answer_parts(text: str, splitter, scanner: ToolCallScanner):
     """A whole answer: its reasoning, its text outside tool-call blocks, and its calls."""
-    thought, answer = splitter.push(text)
-    more_thought, more_answer = splitter.flush()
-    words, calls = split_text_and_calls(scanner, answer + more_answer)
-    return thought + more_thought, words, calls
+    thought, answer = splitter.whole(text)
+    words, calls = split_text_and_calls(scanner, answer)
+    return thought, words, calls
 
 
 def split_text_and_calls(scanner: ToolCallScanner, text: str):
