@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
@@ -16,8 +18,10 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from . import defaults, device, loading, quantized
 from .block_policy import AutoBlock, BlockStats, BlockTokens
-from .models.dflash import DFlashDraft, quantize_draft
+from .models.dflash import DFlashDraft, DraftArgs, quantize_draft, resolve_taps
 from .models.qwen3_5 import Model as Target
+from .pipeline import Pipeline, PipelinedTarget, stages
+from .pipeline.link import Link
 from .prompt_cache import PromptCache, PromptCachePool
 from .reasoning import partial_suffix
 from .sampling import Sampler
@@ -40,6 +44,9 @@ class DFlashModel:
     block_stats: BlockStats = field(default_factory=BlockStats)
     # The verify-matmul kernel's per-shape choices (Metal only; None: stock quantized_matmul).
     matmuls: Optional[quantized.QuantizedMatmuls] = None
+    # This rank's part when the target is pipelined over several processes (``mx.distributed``):
+    # ``target`` is then this rank's stage, and ``draft`` is on the last rank only.
+    pipeline: Optional[Pipeline] = None
 
     def use_quantized_matmuls(self, matmuls: Optional[quantized.QuantizedMatmuls],
                               cache: Optional[quantized.TuningCache] = None, everything: bool = False,
@@ -125,6 +132,8 @@ def load(
     draft_revision: Optional[str] = None,
     draft_dtype: Any = "auto",
     matmuls: Any = "auto",
+    stages: Union[None, str, Sequence[int]] = None,
+    peer_timeout: float = 30.0,
 ) -> tuple[DFlashModel, TokenizerWrapper]:
     """Load a Qwen3.5 target (HF or MLX layout, local or from the Hub) and optionally a draft.
 
@@ -137,31 +146,74 @@ def load(
     ``matmuls``: ``"auto"`` routes quantized layers through the verify-matmul kernel on an Apple
     GPU where it measured faster (the first load of a pair's shapes on a device times them, a
     few seconds, cached under ``$DFLASH_MLX_HOME``); None keeps MLX's stock quantized matmul.
+
+    In a process group of several ranks (``mx.distributed.init()``, e.g. under ``mlx.launch``) the
+    target is pipelined: each rank loads its stage's layers, balanced by weight bytes unless
+    ``stages`` gives the layer count per rank (``"10,14"``), and the draft is on the last rank;
+    ``peer_timeout``: seconds without an answer from the other ranks before a request fails.
+    See ``serve_pipeline`` for the ranks other than 0, and docs/pipeline.md.
     """
     if path_or_hf_repo == defaults.DEMO:
         path_or_hf_repo, draft = defaults.demo(draft)
+    if draft is None and draft_quant not in (None, "none"):
+        raise ValueError("draft_quant was given but no draft")
     target_path = loading.resolve_path(path_or_hf_repo, revision)
-    target, config = loading.load_target(target_path)
+    draft_path = loading.resolve_path(draft, draft_revision) if draft is not None else None
+    group = mx.distributed.init()
+    layout = _PipelineLayout(group, target_path, draft_path, stages) if group.size() > 1 else None
+    target, config = loading.load_target(target_path, stage_of=layout.stage_of if layout else None)
     eos = config.get("eos_token_id") or (config.get("text_config") or {}).get("eos_token_id")
     tokenizer = load_tokenizer(target_path, eos_token_ids=[eos] if isinstance(eos, int) else eos)
-    model = DFlashModel(target, target_path=target_path, draft_window=draft_window)
-    if draft is not None:
-        model.draft_path = loading.resolve_path(draft, draft_revision)
-        model.draft, draft_config = loading.load_draft(model.draft_path)
+    model = DFlashModel(target, target_path=target_path, draft_window=draft_window, draft_path=draft_path)
+    if layout is not None:
+        model.pipeline = Pipeline(Link(group, peer_timeout), target, layout.stage, layout.taps, layout.block_size)
+    if draft_path is not None and (layout is None or layout.stage.last):
+        model.draft, draft_config = loading.load_draft(draft_path)
         model.draft.bind(target)
         warn_if_mask_is_a_token(model.draft.mask_token_id, tokenizer)
         warn_if_converted_for_another_tokenizer(draft_config, target_path)
         quantize_draft(model.draft, draft_quant)
         model.draft.compute_in(device.draft_activation_dtype() if draft_dtype == "auto" else draft_dtype)
         mx.eval(model.draft.parameters())
-    elif draft_quant not in (None, "none"):
-        raise ValueError("draft_quant was given but no draft")
     if matmuls == "auto":
         matmuls = quantized.QuantizedMatmuls.for_this_process()
     if matmuls is not None:
         with TuningProgress() as progress:
             model.use_quantized_matmuls(matmuls, progress=progress)
     return model, tokenizer
+
+
+class _PipelineLayout:
+    """Where a pipelined pair's parts go: this rank's stage (planned from the lazily loaded
+    weights, so nothing else is read), the draft's taps and block size (every rank forwards the
+    tapped features; rank 0 checks block sizes)."""
+
+    def __init__(self, group, target_path: Path, draft_path: Optional[Path], counts):
+        self.rank, self.world = group.rank(), group.size()
+        self.counts = stages.parse_counts(counts) if isinstance(counts, (str, type(None))) else list(counts)
+        self.has_draft = draft_path is not None
+        self.taps: List[int] = []
+        self.block_size: Optional[int] = None
+        self.draft_bytes = 0
+        if draft_path is not None:
+            args = DraftArgs.from_dict(loading.read_config(draft_path))
+            config = loading.read_config(target_path)
+            layers = loading.target_module(config).ModelArgs.from_dict(config).num_hidden_layers
+            self.taps = resolve_taps(args.target_layer_ids, args.num_hidden_layers, layers)
+            self.block_size = args.block_size
+            self.draft_bytes = sum(v.nbytes for v in loading.read_weights(draft_path).values())
+        self.stage: Optional[stages.Stage] = None
+
+    def stage_of(self, model, weights) -> stages.Stage:
+        layer_bytes, embedding, head = stages.weight_bytes(weights, model.args.num_hidden_layers)
+        tied = model.args.tie_word_embeddings
+        last_embedding = self.has_draft or tied  # the draft embeds its blocks; a tied head is the embedding
+        ranges = stages.plan(layer_bytes, self.world, self.counts, first_extra=embedding,
+                             last_extra=head + self.draft_bytes + (embedding if last_embedding else 0))
+        start, end = ranges[self.rank]
+        last = self.rank == self.world - 1
+        self.stage = stages.Stage(self.rank, self.world, start, end, embedding=self.rank == 0 or (last and last_embedding))
+        return self.stage
 
 
 class TuningProgress:
@@ -297,9 +349,16 @@ def stream_generate(
     checkpoint (e.g. where the next turn's prompt will start to differ).
     ``cancelled``: polled between prefill chunks; when it returns True the prefill stops there
     (the cache keeps what was fed) and nothing is yielded.
+
+    Pipelined (``model.pipeline``): on rank 0 this sends the request to the other ranks and yields
+    the answer (``logprobs`` None: they stay on the last rank); on every other rank it takes part
+    in that one request and yields nothing (each rank runs the same script).
     """
     if isinstance(model, Target):
         model = DFlashModel(model)
+    if model.pipeline is not None and not model.pipeline.drives:
+        model.pipeline.take_part(partial(_run_request, model))
+        return
     if sampler is None:
         sampler = Sampler(temp, top_p, top_k, min_p)
     elif not isinstance(sampler, Sampler):
@@ -309,6 +368,22 @@ def stream_generate(
     if seed is not None:
         mx.random.seed(seed)
     ids = encode_prompt(tokenizer, prompt, enable_thinking)
+    if model.pipeline is not None:
+        if prompt_cache is not None:
+            raise ValueError("a pipelined target keeps no prompt cache between requests (prompt_cache must be None)")
+        if use_draft:  # checked here, before the request leaves
+            BlockTokens.parse(block_tokens).cap(model.pipeline.draft_block_size)
+        request = {"prompt": ids.tolist(), "max_tokens": max_tokens, "block_tokens": block_tokens,
+                   "sampler": dataclasses.asdict(sampler), "seed": seed, "use_draft": use_draft,
+                   "prefill_step_size": prefill_step_size, "stop_tokens": sorted(tokenizer.eos_token_ids)}
+        steps = model.pipeline.drive(request, cancelled)
+        try:
+            yield from _responses(steps, tokenizer, ids.size, 0, stop or [], max_tokens, None)
+        except Cancelled:
+            return
+        finally:
+            steps.close()
+        return
     draft, chooser = _drafting(model, sampler, BlockTokens.parse(block_tokens), use_draft, seed)
     history = prompt_cache.take(ids.tolist()) if isinstance(prompt_cache, PromptCachePool) else prompt_cache
     cache = draft_cache = None
@@ -340,6 +415,27 @@ def stream_generate(
         steps.close()  # undoes the step in flight: the caches hold exactly the recorded tokens
         if isinstance(prompt_cache, PromptCachePool):
             prompt_cache.trim()
+
+
+def _run_request(model: DFlashModel, request: Dict[str, Any], target: PipelinedTarget):
+    """The last rank's decode loop for a request from rank 0, exactly as one process runs it."""
+    sampler = Sampler(**request["sampler"])
+    seed = request["seed"]
+    if seed is not None:
+        mx.random.seed(seed)
+    draft, chooser = _drafting(model, sampler, BlockTokens.parse(request["block_tokens"]), request["use_draft"], seed)
+    prompt, stop_tokens = mx.array(request["prompt"]), set(request["stop_tokens"])
+    step, max_tokens = request["prefill_step_size"], request["max_tokens"]
+    if draft is not None:
+        return speculative(target, draft, prompt, sampler, chooser, step, model.draft_window,
+                           max_tokens=max_tokens, stop_tokens=stop_tokens)
+    return target_only(target, prompt, sampler, step, max_tokens=max_tokens, stop_tokens=stop_tokens)
+
+
+def serve_pipeline(model: DFlashModel) -> None:
+    """On a pipeline's ranks other than 0: take part in every request rank 0 sends, until rank 0
+    calls ``model.pipeline.shutdown()`` (the CLI's ``generate``, ``serve`` and ``bench`` do)."""
+    model.pipeline.serve_forever(partial(_run_request, model))
 
 
 def _drafting(model: DFlashModel, sampler: Sampler, setting: BlockTokens, use_draft: bool, seed: Optional[int]):
@@ -399,7 +495,7 @@ def _responses(steps, tokenizer, prompt_tokens: int, reused: int, stop: Sequence
             yield GenerationResponse(
                 text=text,
                 token=token,
-                logprobs=commit.logprobs[i],
+                logprobs=commit.logprobs[i] if commit.logprobs is not None else None,
                 from_draft=i < commit.accepted,
                 prompt_tokens=prompt_tokens,
                 prompt_tps=prompt_tps,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -141,10 +142,12 @@ def target_module(config: Dict[str, Any]):
     return qwen3_5_moe if target_kind(config) == "moe" else qwen3_5
 
 
-def load_target(path: Path, recurrence=None) -> Tuple[Any, Dict[str, Any]]:
+def load_target(path: Path, recurrence=None, stage_of=None) -> Tuple[Any, Dict[str, Any]]:
     """A Qwen3.5 target (``models.qwen3_5.Model``, or ``models.qwen3_5_moe.Model`` for the mixture
     of experts) and its config. ``recurrence`` (``kernels.Recurrence``) overrides how its Gated
-    DeltaNet layers run; by default the kernels on an Apple GPU, the chunked pure-MLX form on the CPU."""
+    DeltaNet layers run; by default the kernels on an Apple GPU, the chunked pure-MLX form on the CPU.
+    ``stage_of(model, weights)``: a pipeline rank's ``pipeline.stages.Stage``, given the model and
+    its (lazily loaded) weights; only that stage's weights are then read."""
     from .models import qwen3_5
 
     config = read_config(path)
@@ -157,15 +160,31 @@ def load_target(path: Path, recurrence=None) -> Tuple[Any, Dict[str, Any]]:
         weights = model.sanitize(read_weights(path))
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from e
+    module_path = qwen3_5.module_path
+    if stage_of is not None:
+        from .pipeline.stages import keep_only
+
+        stage = stage_of(model, weights)
+        keep_only(model, stage)
+        weights = {name: v for k, v in weights.items() if (name := stage.local_name(k)) is not None}
+        module_path = partial(_stage_path, stage)
     quantization = mlx_quantization(config)
     if quantization:
-        quantize_from_config(model, quantization, weights, qwen3_5.module_path)
+        quantize_from_config(model, quantization, weights, module_path)
     if recurrence is not None:
         model.use_recurrence(recurrence)
     model = _load_weights(model, weights, path)
     if target_kind(config) == "moe" and mx.default_device() == mx.cpu:
         model.experts_in_float32()  # MLX's CPU gather_mm computes only in float32
     return model, config
+
+
+def _stage_path(stage, key: str) -> Optional[str]:
+    """A checkpoint's module name as a pipeline stage's model names it (None: another rank's)."""
+    from .models import qwen3_5
+
+    name = qwen3_5.module_path(key)
+    return None if name is None else stage.local_name(name)
 
 
 def _load_weights(model: nn.Module, weights: Dict[str, mx.array], path: Path) -> nn.Module:

@@ -365,15 +365,21 @@ class Model(nn.Module):
 
         ``record_tape`` makes every Gated DeltaNet cache keep what ``cache.rollback`` needs.
         """
-        h = self.model.embed_tokens(inputs)
+        h, tapped = self.run_layers(self.model.embed_tokens(inputs), cache, taps, record_tape)
+        hidden = mx.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
+        return self.head(self.model.norm(h)), hidden
+
+    def run_layers(self, h: mx.array, cache: Optional[list], taps: Sequence[int] = (),
+                   record_tape: bool = False) -> Tuple[mx.array, Dict[int, mx.array]]:
+        """The decoder layers on hidden states; also the outputs of the ``taps`` layers by index
+        (a pipeline stage runs only this, on the layers it holds)."""
         cache = cache if cache is not None else [None] * len(self.layers)
         tapped = {}
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
             h = layer(h, c, record_tape)
             if i in taps:
                 tapped[i] = h
-        hidden = mx.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
-        return self.head(self.model.norm(h)), hidden
+        return h, tapped
 
     def __call__(self, inputs: mx.array, cache: Optional[list] = None) -> mx.array:
         return self.forward(inputs, cache)[0]
