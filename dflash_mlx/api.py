@@ -48,6 +48,20 @@ class DFlashModel:
     # ``target`` is then this rank's stage, and ``draft`` is on the last rank only.
     pipeline: Optional[Pipeline] = None
 
+    @property
+    def draft_block_size(self) -> Optional[int]:
+        """The draft's block size (None: no draft), on every rank of a pipeline."""
+        if self.draft is not None:
+            return self.draft.block_size
+        return self.pipeline.draft_block_size if self.pipeline is not None else None
+
+    @property
+    def draft_kind(self) -> Optional[str]:
+        """``DFlash`` or ``DFlash2`` (None: no draft), on every rank of a pipeline."""
+        if self.draft is not None:
+            return self.draft.kind
+        return self.pipeline.draft_kind if self.pipeline is not None else None
+
     def use_quantized_matmuls(self, matmuls: Optional[quantized.QuantizedMatmuls],
                               cache: Optional[quantized.TuningCache] = None, everything: bool = False,
                               measure=quantized.wall_time, progress=None) -> List[quantized.Timing]:
@@ -166,7 +180,8 @@ def load(
     tokenizer = load_tokenizer(target_path, eos_token_ids=[eos] if isinstance(eos, int) else eos)
     model = DFlashModel(target, target_path=target_path, draft_window=draft_window, draft_path=draft_path)
     if layout is not None:
-        model.pipeline = Pipeline(Link(group, peer_timeout), target, layout.stage, layout.taps, layout.block_size)
+        model.pipeline = Pipeline(Link(group, peer_timeout), target, layout.stage, layout.taps,
+                                  layout.block_size, layout.draft_kind)
     if draft_path is not None and (layout is None or layout.stage.last):
         model.draft, draft_config = loading.load_draft(draft_path)
         model.draft.bind(target)
@@ -194,6 +209,7 @@ class _PipelineLayout:
         self.has_draft = draft_path is not None
         self.taps: List[int] = []
         self.block_size: Optional[int] = None
+        self.draft_kind: Optional[str] = None
         self.draft_bytes = 0
         if draft_path is not None:
             args = DraftArgs.from_dict(loading.read_config(draft_path))
@@ -201,6 +217,7 @@ class _PipelineLayout:
             layers = loading.target_module(config).ModelArgs.from_dict(config).num_hidden_layers
             self.taps = resolve_taps(args.target_layer_ids, args.num_hidden_layers, layers)
             self.block_size = args.block_size
+            self.draft_kind = loading.draft_class(args).kind_of(args)
             self.draft_bytes = sum(v.nbytes for v in loading.read_weights(draft_path).values())
         self.stage: Optional[stages.Stage] = None
 

@@ -165,7 +165,7 @@ def run_all(model: DFlashModel, tokenizer, jobs, blocks: List[str], max_tokens: 
 def warm_up(model: DFlashModel, tokenizer, blocks: List[str], chat: bool, sampling=None, mlx_lm_model=None) -> None:
     """Compile every block size (and mlx-lm's graphs) outside the timings, and let auto measure
     cycle costs first, as a chat session would have."""
-    for size in range(1, model.draft.block_size + 1):
+    for size in range(1, model.draft_block_size + 1):
         measure(model, tokenizer, "warm up", True, size, 8, chat, sampling)
     if any(b.startswith("auto") for b in blocks):
         measure(model, tokenizer, "warm up", True, "auto", 64, chat, sampling)
@@ -173,8 +173,9 @@ def warm_up(model: DFlashModel, tokenizer, blocks: List[str], chat: bool, sampli
         measure_mlx_lm(mlx_lm_model, tokenizer, "warm up", 8, chat, sampling)
 
 
-def table(rows: List[Dict], show_context: bool, mlx_lm: bool, sampled: bool):
-    """The summary as a rich table (what ``dflash-mlx bench`` prints)."""
+def table(rows: List[Dict], show_context: bool, mlx_lm: bool, sampled: bool, pass_ms: bool = False):
+    """The summary as a rich table (what ``dflash-mlx bench`` prints); ``pass_ms`` adds the time of
+    one target pass (a pipelined target: one trip through every rank) alone and with DFlash."""
     from rich.table import Table
 
     from .block_policy import describe
@@ -182,7 +183,7 @@ def table(rows: List[Dict], show_context: bool, mlx_lm: bool, sampled: bool):
     out = Table(title="dflash-mlx bench (sampled)" if sampled else "dflash-mlx bench (greedy)")
     columns = ["suite", *(["context"] if show_context else []), "block", "target tok/s", *(["mlx-lm tok/s"] if mlx_lm else []),
                "DFlash tok/s", "speedup", *(["vs mlx-lm"] if mlx_lm else []), "tokens/cycle", "acceptance",
-               "blocks used", "peak GB", "identical"]
+               "blocks used", *(["target ms/pass", "DFlash ms/pass"] if pass_ms else []), "peak GB", "identical"]
     for column in columns:
         out.add_column(column, justify="right")
     for r in rows:
@@ -192,6 +193,7 @@ def table(rows: List[Dict], show_context: bool, mlx_lm: bool, sampled: bool):
             f"{r['baseline_tps']:.1f}", *([f"{r['mlx_lm_tps']:.1f}"] if mlx_lm else []),
             f"{r['dflash_tps']:.1f}", f"{r['speedup']:.2f}x", *([f"{r['speedup_vs_mlx_lm']:.2f}x"] if mlx_lm else []),
             f"{r['tokens_per_cycle']:.2f}", f"{r['acceptance_rate']:.0%}", describe(shares).removeprefix("blocks "),
+            *([f"{1e3 / r['baseline_tps']:.1f}", f"{1e3 * r['tokens_per_cycle'] / r['dflash_tps']:.1f}"] if pass_ms else []),
             f"{r['peak_memory_gb']:.2f}", "n/a" if sampled else ("yes" if r["identical"] else "NO"),
         )
     return out

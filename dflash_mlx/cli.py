@@ -7,6 +7,7 @@ import os
 import sys
 import time
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, List, Optional
 
@@ -48,32 +49,69 @@ Seed = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sam
 Think = Annotated[bool, typer.Option("--think/--no-think", help="Thinking mode of the chat template (Qwen3.5 enable_thinking).")]
 
 
-def _load(model: Optional[str], draft: Optional[str], draft_quant: str):
-    """Load (or, for the default pair, first convert) the models; one clear line on failure."""
+Stages = Annotated[Optional[str], typer.Option("--stages", help="Under mlx.launch (the target pipelined over the ranks): layers per rank, comma-separated in rank order (e.g. 10,14). Default: balanced by weight bytes, rank 0 counting the embedding and the last rank the head and the draft.")]
+PeerTimeout = Annotated[float, typer.Option("--peer-timeout", help="Under mlx.launch: seconds a request may go without an answer from the other ranks before every rank stops with an error (a rank that dies is noticed at once).")]
+
+
+def _load(model: Optional[str], draft: Optional[str], draft_quant: str, stages: Optional[str] = None,
+          peer_timeout: float = 30.0, pipelined: bool = True):
+    """Load (or, for the default pair, first convert) the models; one clear line on failure.
+    Under ``mlx.launch`` every rank loads its stage of the target (``pipelined`` False: refused)."""
     from . import api
     from .defaults import resolve
     from .loading import CheckpointError
 
+    if peer_timeout <= 0:
+        _fail(f"--peer-timeout must be positive (got {peer_timeout})")
     try:
         model, draft = resolve(model, draft)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            loaded = api.load(model, draft=draft, draft_quant=draft_quant)
+            loaded = api.load(model, draft=draft, draft_quant=draft_quant, stages=stages, peer_timeout=peer_timeout)
     except (CheckpointError, ValueError) as e:
         _fail(str(e))
+    if loaded[0].pipeline is not None and not pipelined:
+        _fail("chat reads the keyboard, which mlx.launch does not forward: pipelined, use `generate --prompt` or `serve`")
     for w in caught:
         typer.secho(f"warning: {w.message}", fg=typer.colors.YELLOW, err=True)
     return loaded
+
+
+@contextmanager
+def _ranks(loaded):
+    """Under mlx.launch: the ranks other than 0 serve rank 0's requests and exit when rank 0 is
+    done; rank 0 runs the command (printing, serving) and then shuts them down."""
+    from . import api
+    from .pipeline import PeerLost
+
+    pipeline = loaded.pipeline
+    if pipeline is None:
+        yield
+        return
+    if not pipeline.drives:
+        try:
+            api.serve_pipeline(loaded)
+        except PeerLost as e:
+            _fail(str(e))
+        raise typer.Exit(0)
+    lost = False
+    try:
+        yield
+    except PeerLost as e:
+        lost = True
+        _fail(str(e))
+    finally:
+        if not lost:
+            pipeline.shutdown()
 
 
 def _check_block_tokens(loaded, block_tokens: str):
     """The parsed setting, or one clear line naming the bad value."""
     from .block_policy import BlockTokens
 
-    draft = loaded[0].draft
     try:
         setting = BlockTokens.parse(block_tokens)
-        setting.cap(draft.block_size if draft is not None else None)
+        setting.cap(loaded[0].draft_block_size)
     except ValueError as e:
         _fail(str(e).replace("block_tokens", "--block-tokens", 1).replace("a draft model", "a draft (--draft)"))
     return setting
@@ -107,7 +145,7 @@ def chat(
     from .chat import ChatSession, run_chat
 
     sampling = _sampling(temp, top_p, top_k, seed)
-    loaded, tokenizer = _load(model, draft, draft_quant)
+    loaded, tokenizer = _load(model, draft, draft_quant, pipelined=False)
     _check_block_tokens((loaded, tokenizer), block_tokens)
     generation = dict(max_tokens=max_tokens, block_tokens=block_tokens, **sampling)
     session = ChatSession(loaded, tokenizer, system=system, think=think, generation=generation)
@@ -132,15 +170,26 @@ def generate(
     think: Think = False,
     chat_template: Annotated[bool, typer.Option("--chat-template/--no-chat-template", help="Wrap the prompt as a user message in the chat template.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON record (text, tokens, timings, acceptance) instead of the text.")] = False,
+    stages: Stages = None,
+    peer_timeout: PeerTimeout = 30.0,
 ) -> None:
     """Generate one completion: text to stdout, statistics to stderr."""
+    sampling = _sampling(temp, top_p, top_k, seed)
+    loaded, tokenizer = _load(model, draft, draft_quant, stages, peer_timeout)
+    with _ranks(loaded):
+        if prompt is None and loaded.pipeline is not None:
+            _fail("give the prompt with --prompt: mlx.launch does not forward standard input")
+        if prompt is None:  # a file or `echo` ends with a newline that is not part of the request
+            prompt = sys.stdin.read().removesuffix("\n")
+        _generate(loaded, tokenizer, prompt, block_tokens, max_tokens, sampling, min_p, stop, system, think,
+                  chat_template, as_json)
+
+
+def _generate(loaded, tokenizer, prompt, block_tokens, max_tokens, sampling, min_p, stop, system, think,
+              chat_template, as_json) -> None:
     from . import api
     from .block_policy import describe
 
-    sampling = _sampling(temp, top_p, top_k, seed)
-    if prompt is None:  # a file or `echo` ends with a newline that is not part of the request
-        prompt = sys.stdin.read().removesuffix("\n")
-    loaded, tokenizer = _load(model, draft, draft_quant)
     setting = _check_block_tokens((loaded, tokenizer), block_tokens)
     use_template = chat_template and tokenizer.chat_template is not None
     head = [{"role": "system", "content": system}] if system else []
@@ -163,14 +212,14 @@ def generate(
         generation_tps=last.generation_tps, peak_memory_gb=last.peak_memory, finish_reason=last.finish_reason,
         cycles=last.cycles, tokens_per_cycle=last.tokens_per_cycle, acceptance_rate=last.acceptance_rate,
         block_tokens=str(setting), block_histogram={str(b): n for b, n in sorted(last.block_histogram.items())},
-        draft=loaded.draft.kind if loaded.draft is not None else None,
+        draft=loaded.draft_kind,
     )
     if as_json:
         print(json.dumps({"text": text, "tokens": tokens, **stats}))
     else:
         print()
         line = f"{last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s"
-        if loaded.draft is not None:
+        if loaded.draft_kind is not None:
             line += f", {last.tokens_per_cycle:.2f} tokens/cycle, acceptance {last.acceptance_rate:.0%}, {describe(last.block_histogram)}"
         typer.secho(line, dim=True, err=True)
 
@@ -193,17 +242,17 @@ def bench(
     chat_template: Annotated[bool, typer.Option("--chat-template/--no-chat-template", help="Wrap prompts in the chat template.")] = True,
     out: Annotated[Optional[Path], typer.Option("--out", help="Write all results as JSON here.")] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG: tok/s per suite side by side, and accepted lengths.")] = None,
-    mlx_lm: Annotated[bool, typer.Option("--mlx-lm/--no-mlx-lm", help="Also run mlx-lm's own stream_generate on mlx-lm's build of the target, as a second baseline (loads the target a second time).")] = True,
+    mlx_lm: Annotated[bool, typer.Option("--mlx-lm/--no-mlx-lm", help="Also run mlx-lm's own stream_generate on mlx-lm's build of the target, as a second baseline (loads the target a second time; not under mlx.launch).")] = True,
+    stages: Stages = None,
+    peer_timeout: PeerTimeout = 30.0,
 ) -> None:
     """Target alone vs DFlash, interleaved: speed, acceptance, block sizes used, identical outputs.
 
     With --temp > 0 both sides sample (same seed per run); outputs then differ by design and
     the 'identical' column is n/a. The auto rows share what they learn about cycle costs
-    across prompts, as chat and the server do across requests.
+    across prompts, as chat and the server do across requests. Under mlx.launch (the target
+    pipelined) the table also gives the milliseconds per pass through the pipeline.
     """
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from . import bench as bench_lib
 
     sampling = _sampling(temp, top_p, top_k, seed)
@@ -221,10 +270,22 @@ def bench(
         if not prompt_file.is_file():
             _fail(f"--prompt-file {prompt_file} does not exist")
         workloads["file"] = bench_lib.load_prompt_file(prompt_file)
-    loaded, tokenizer = _load(model, draft, draft_quant)
-    if loaded.draft is None:
+    loaded, tokenizer = _load(model, draft, draft_quant, stages, peer_timeout)
+    with _ranks(loaded):
+        _bench(loaded, tokenizer, block_tokens, max_tokens, temp, sampling, workloads, contexts, context, repeats,
+               chat_template, out, plot, mlx_lm and loaded.pipeline is None, draft_quant)
+
+
+def _bench(loaded, tokenizer, block_tokens, max_tokens, temp, sampling, workloads, contexts, context, repeats,
+           chat_template, out, plot, mlx_lm, draft_quant) -> None:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from . import bench as bench_lib
+
+    if loaded.draft_kind is None:
         _fail("bench compares with DFlash: give a draft (--draft) or use the default model")
-    blocks = [b.strip() for b in block_tokens.split(",") if b.strip()] or bench_lib.default_blocks(loaded.draft.block_size)
+    blocks = [b.strip() for b in block_tokens.split(",") if b.strip()] or bench_lib.default_blocks(loaded.draft_block_size)
     blocks = [str(_check_block_tokens((loaded, tokenizer), b)) for b in blocks]
     try:
         prefixes = {n: bench_lib.file_context(tokenizer, n) for n in contexts}
@@ -245,7 +306,8 @@ def bench(
                                  lambda done, description: progress.update(task, completed=done, description=description))
         progress.update(task, completed=progress.tasks[0].total)
     rows = bench_lib.summarize(runs)
-    table = bench_lib.table(rows, show_context=any(contexts), mlx_lm=baseline is not None, sampled=temp > 0)
+    table = bench_lib.table(rows, show_context=any(contexts), mlx_lm=baseline is not None, sampled=temp > 0,
+                            pass_ms=loaded.pipeline is not None)
     Console(width=None if sys.stdout.isatty() else 150).print(table)
     backend = bench_lib.compute_backend()
     if bench_lib.reference_blas_only(backend):
@@ -255,9 +317,9 @@ def bench(
             "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 (see docs/benchmarks.md).[/dim]"
         )
     meta = dict(
-        target=str(loaded.target_path), draft=str(loaded.draft_path), draft_kind=loaded.draft.kind, draft_quant=draft_quant, blocks=blocks,
+        target=str(loaded.target_path), draft=str(loaded.draft_path), draft_kind=loaded.draft_kind, draft_quant=draft_quant, blocks=blocks,
         contexts=contexts, max_tokens=max_tokens, repeats=repeats, date=time.strftime("%Y-%m-%d %H:%M:%S"),
-        backend=backend, **sampling,
+        backend=backend, ranks=loaded.pipeline.link.size if loaded.pipeline is not None else 1, **sampling,
     )
     if out is not None:
         bench_lib.save_json(out, rows, runs, meta)
@@ -296,7 +358,9 @@ def serve(
     context_size: Annotated[Optional[int], typer.Option("--context-size", help="Context limit in tokens, prompt and answer together: longer prompts are refused (400), answers stop where the context is full. Default: the target's max_position_embeddings.")] = None,
     model_name: Annotated[Optional[str], typer.Option("--model-name", help="Model id clients ask for (default: the repo id, 'demo', or the target folder's name).")] = None,
     max_request_bytes: Annotated[int, typer.Option("--max-request-bytes", help="Reject request bodies larger than this.")] = 8 << 20,
-    prompt_cache_gb: Annotated[float, typer.Option("--prompt-cache-gb", help="Memory for prefix caches kept between requests (GB): several token histories (a chat, an editor's completions) with their Gated DeltaNet checkpoints; the least recently used go first. The most recent one is always kept.")] = 4.0,
+    prompt_cache_gb: Annotated[float, typer.Option("--prompt-cache-gb", help="Memory for prefix caches kept between requests (GB): several token histories (a chat, an editor's completions) with their Gated DeltaNet checkpoints; the least recently used go first. The most recent one is always kept. Under mlx.launch none are kept.")] = 4.0,
+    stages: Stages = None,
+    peer_timeout: PeerTimeout = 30.0,
 ) -> None:
     """Serve an OpenAI-compatible API (chat, completions with FIM, models, health, metrics)."""
     import uvicorn
@@ -305,17 +369,18 @@ def serve(
 
     if prompt_cache_gb < 0:
         _fail(f"--prompt-cache-gb must not be negative (got {prompt_cache_gb})")
-    loaded, tokenizer = _load(model, draft, draft_quant)
-    _check_block_tokens((loaded, tokenizer), block_tokens)
-    name = model_name or served_name(model)
-    app_ = create_app(
-        loaded, tokenizer, name, api_key=api_key, max_tokens_cap=max_tokens, context_limit=context_size,
-        max_request_bytes=max_request_bytes, block_tokens=block_tokens, prompt_cache_bytes=int(prompt_cache_gb * 1e9),
-    )
-    typer.secho(f"serving {name!r} on http://{host}:{port}/v1", err=True)
-    # Ctrl-C: uvicorn closes the connections, which cancels their generations at the next step;
-    # whatever still holds on after a second is cancelled outright.
-    uvicorn.run(app_, host=host, port=port, log_level="warning", timeout_graceful_shutdown=1)
+    loaded, tokenizer = _load(model, draft, draft_quant, stages, peer_timeout)
+    with _ranks(loaded):
+        _check_block_tokens((loaded, tokenizer), block_tokens)
+        name = model_name or served_name(model)
+        app_ = create_app(
+            loaded, tokenizer, name, api_key=api_key, max_tokens_cap=max_tokens, context_limit=context_size,
+            max_request_bytes=max_request_bytes, block_tokens=block_tokens, prompt_cache_bytes=int(prompt_cache_gb * 1e9),
+        )
+        typer.secho(f"serving {name!r} on http://{host}:{port}/v1", err=True)
+        # Ctrl-C: uvicorn closes the connections, which cancels their generations at the next step;
+        # whatever still holds on after a second is cancelled outright.
+        uvicorn.run(app_, host=host, port=port, log_level="warning", timeout_graceful_shutdown=1)
 
 
 @app.command()

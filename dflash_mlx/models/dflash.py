@@ -440,7 +440,11 @@ class DFlashDraft(nn.Module):
     @property
     def kind(self) -> str:
         """What the draft is, for reports: ``DFlash`` or ``DFlash2``."""
-        return "DFlash2" if self.args.architecture == "DFlash2DraftModel" else "DFlash"
+        return self.kind_of(self.args)
+
+    @staticmethod
+    def kind_of(args: DraftArgs) -> str:
+        return "DFlash2" if args.architecture == "DFlash2DraftModel" else "DFlash"
 
     def layout_weights(self) -> Dict[str, mx.array]:
         """The parameters under the names z-lab's layout stores them (what ``sanitize`` reads)."""

@@ -59,10 +59,12 @@ def _header(kind: int, trim: int = 0, count: int = 0, tapped: bool = False, dtyp
 class Pipeline:
     """This rank's part of a pipelined target: its stage's layers and caches, and its links."""
 
-    def __init__(self, link: Link, model, stage: Stage, taps: Sequence[int], draft_block_size: Optional[int]):
+    def __init__(self, link: Link, model, stage: Stage, taps: Sequence[int], draft_block_size: Optional[int] = None,
+                 draft_kind: Optional[str] = None):
         self.link, self.model, self.stage = link, model, stage
         self.taps = list(taps)
-        self.draft_block_size = draft_block_size  # known on every rank, to check block sizes on rank 0
+        # What rank 0 reports and checks block sizes against (the draft itself is on the last rank).
+        self.draft_block_size, self.draft_kind = draft_block_size, draft_kind
         ordered = sorted(self.taps)
         self._taps_before = sum(t < stage.start for t in ordered)
         self._local_taps = [t - stage.start for t in ordered if stage.start <= t < stage.end]

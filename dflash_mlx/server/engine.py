@@ -114,7 +114,8 @@ class Engine:
         self.context_limit = context_limit if context_limit is not None else model_context_length(model)
         self.max_tokens_cap, self.block_tokens = max_tokens_cap, block_tokens
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-generate")
-        self.prompt_caches = PromptCachePool(prompt_cache_bytes)
+        # A pipelined target's caches live on every rank: none are kept between requests.
+        self.prompt_caches = PromptCachePool(prompt_cache_bytes if model.pipeline is None else 0)
         self.metrics = Metrics()
 
     def answer_budget(self, prompt_tokens: int, requested: Optional[int]) -> int:
@@ -154,7 +155,8 @@ class Engine:
         try:
             if job.cancelled.is_set():
                 return
-            stream = stream_generate(self.model, self.tokenizer, job.prompt, prompt_cache=self.prompt_caches,
+            pool = self.prompt_caches if self.model.pipeline is None else None
+            stream = stream_generate(self.model, self.tokenizer, job.prompt, prompt_cache=pool,
                                      cancelled=job.cancelled.is_set, **job.options)
             for last in stream:
                 if job.cancelled.is_set():
