@@ -128,6 +128,7 @@ class Pipeline:
         pass, and yield the committed tokens as ``Commit`` records (without log-probs: they stay
         on the last rank). Closing the stream tells the other ranks to stop."""
         link, last = self.link, self.link.size - 1
+        link.watchdog.beat()  # from here on the other ranks must answer
         link.send_json(request, last)
         self.cache = self.model.make_cache()
         previous = None  # the last decode pass: its count and tokens
@@ -182,9 +183,13 @@ class Pipeline:
     def shutdown(self) -> None:
         """Tell every other rank to exit (``serve_forever`` returns); waits for the ring to close."""
         link = self.link
-        link.send_json({"shutdown": True}, link.size - 1)
-        link.ints(link.size - 1, HEADER)
-        link.send_ints(_header(SHUTDOWN), link.next)
+        link.watchdog.beat()
+        try:
+            link.send_json({"shutdown": True}, link.size - 1)
+            link.ints(link.size - 1, HEADER)
+            link.send_ints(_header(SHUTDOWN), link.next)
+        finally:
+            link.watchdog.rest()
 
     # -- the other ranks ---------------------------------------------------------------------
 

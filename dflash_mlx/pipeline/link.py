@@ -24,7 +24,7 @@ class PeerLost(RuntimeError):
 
 def is_transport_error(error: BaseException) -> bool:
     """Whether an exception from an evaluation is the transport failing (MLX's ring backend)."""
-    return isinstance(error, RuntimeError) and "[ring]" in str(error)
+    return isinstance(error, RuntimeError) and not isinstance(error, PeerLost) and "[ring]" in str(error)
 
 
 class Watchdog:

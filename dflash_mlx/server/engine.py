@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 from starlette.requests import Request
 
 from ..api import DFlashModel, GenerationResponse, RunTotals, stream_generate
+from ..pipeline import PeerLost
 from ..prompt_cache import PromptCachePool
 from ..reasoning import START, ReasoningSplitter, opens_reasoning
 from .errors import APIError
@@ -167,6 +170,10 @@ class Engine:
                 self.metrics.count("cancelled")
             elif last is not None:
                 self.metrics.add(last)
+        except PeerLost as e:  # a pipelined target lost a rank: nothing more can be served
+            self.metrics.count("errors")
+            job.emit("error", str(e))
+            _stop_process(str(e))
         except Exception as e:  # reported to the client as a 500, logged in full here
             LOG.exception("generation failed")
             self.metrics.count("errors")
@@ -176,6 +183,16 @@ class Engine:
             self.metrics.prompt_cache_histories = len(self.prompt_caches.histories)
             self.metrics.count("queued", -1)
             job.emit("done", last)
+
+
+def _stop_process(reason: str, grace: float = 0.5) -> None:
+    """Exit with status 1 once the failing request's answer had time to leave."""
+    def stop():
+        sys.stderr.write(f"dflash-mlx: {reason}\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+    threading.Timer(grace, stop).start()
 
 
 def current_engine(request: Request) -> Engine:

@@ -1,0 +1,275 @@
+"""The target pipelined over local ranks (MLX's ring backend on 127.0.0.1), DFlash on top.
+
+The ranks are started as ``mlx.launch`` starts them (a hostfile and MLX_RANK); the CLI test runs
+``mlx.launch`` itself. Answers must equal the single-process ones token for token (greedy, and
+sampled with the same seed: the last rank draws exactly as one process does), and every rank's
+caches must equal feeding the committed tokens directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import dflash_mlx
+from dflash_mlx import tiny
+from dflash_mlx.cache import restore, snapshot
+from dflash_mlx.pipeline import stages
+from dflash_mlx.pipeline.cycle import Upstream, _commit
+from tests.conftest import VOCAB, random_prompts
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = [sys.executable, str(ROOT / "tests" / "pipeline_worker.py")]
+
+
+def free_ports(n: int) -> list:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def hostfile(tmp_path: Path, ranks: int) -> Path:
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(ranks)]))
+    return path
+
+
+def launch(tmp_path: Path, ranks: int, argv: list, **popen) -> list:
+    """``ranks`` processes of ``argv``, each given its rank as mlx.launch gives it."""
+    hosts = hostfile(tmp_path, ranks)
+    return [subprocess.Popen(argv, env={**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hosts)},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+            for r in range(ranks)]
+
+
+def finish(processes, timeout: float = 150):
+    """Every rank's (returncode, stdout, stderr); all are killed if one outlives ``timeout``."""
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for p in processes:
+            out, err = p.communicate(timeout=max(1, deadline - time.monotonic()))
+            results.append((p.returncode, out, err))
+    except subprocess.TimeoutExpired:
+        for p in processes:
+            p.kill()
+        pytest.fail("a pipelined run hung:\n" + "\n".join(p.communicate()[1][-2000:] for p in processes))
+    return results
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, hf_target_dir, target_config):
+    draft = tmp_path_factory.mktemp("pipeline_draft")
+    tiny.write_draft(draft, tiny.draft_config(target_config, block_size=8), seed=3)
+    return hf_target_dir, draft
+
+
+@pytest.fixture(scope="module")
+def spec_and_answers(pair):
+    """The runs every pipelined world repeats, and what one process answers to each."""
+    model, tokenizer = dflash_mlx.load(str(pair[0]), draft=str(pair[1]))
+    prompts = [p.tolist() for p in random_prompts(2, VOCAB, seed=5)]
+
+    def answer(prompt, max_tokens, block_tokens, temp=0.0, seed=None):
+        return [r.token for r in dflash_mlx.stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
+                                                            block_tokens=block_tokens, temp=temp, seed=seed)]
+
+    runs = []
+    for prompt in prompts:
+        greedy = prompt + answer(prompt, 40, 1)
+        for block in ("4", "auto", "1"):
+            runs.append(dict(prompt=prompt, max_tokens=16, block_tokens=block, temp=0.0, seed=None, sequence=greedy))
+    for seed in (3, 4):
+        runs.append(dict(prompt=prompts[0], max_tokens=12, block_tokens="4", temp=1.0, seed=seed))
+    # The oracle drafts the greedy continuation, wrong at a scheduled slot: every acceptance length
+    # 0..3 in turn; stopping after 1..12 tokens checks the caches after every cycle.
+    greedy = prompts[1] + answer(prompts[1], 40, 1)
+    oracle = dict(sequence=greedy, block=4, schedule=[0, 1, 2, 3, 3, 1])
+    for max_tokens in range(1, 13):
+        runs.append(dict(prompt=prompts[1], max_tokens=max_tokens, block_tokens="4", temp=0.0, seed=None,
+                         oracle=oracle, sequence=greedy))
+    expected = [greedy[len(prompts[1]):][: r["max_tokens"]] if r.get("oracle") else
+                answer(r["prompt"], r["max_tokens"], r["block_tokens"], r["temp"], r["seed"]) for r in runs]
+    spec = dict(target=str(pair[0]), draft=str(pair[1]), runs=runs)
+    return spec, expected
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_pipelined_answers_equal_one_process_and_caches_hold_the_committed_tokens(tmp_path, spec_and_answers, ranks):
+    spec, expected = spec_and_answers
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    results = finish(launch(tmp_path, ranks, WORKER + [str(tmp_path / "spec.json"), str(tmp_path)]))
+    for rank, (code, _, err) in enumerate(results):
+        assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
+    answers = json.loads((tmp_path / "answers.json").read_text())
+    for run, want, got in zip(spec["runs"], expected, answers):
+        label = {k: run[k] for k in ("max_tokens", "block_tokens", "temp", "seed")}
+        assert got == want, f"{ranks} ranks, {label}{' (oracle)' if run.get('oracle') else ''}"
+    checked = [r for r in spec["runs"] if r.get("sequence")]
+    for rank in range(ranks):
+        differences = json.loads((tmp_path / f"caches-{rank}.json").read_text())
+        assert len(differences) == len(checked)
+        assert max(differences) < 2e-5, f"rank {rank}: caches differ from direct feeding by {max(differences)}"
+
+
+def test_generate_under_mlx_launch_prints_what_one_process_prints(tmp_path, pair):
+    args = ["generate", "--model", str(pair[0]), "--draft", str(pair[1]), "--prompt", "def add(a, b):",
+            "--max-tokens", "24", "--block-tokens", "4", "--json"]
+    cli = [sys.executable, "-m", "dflash_mlx.cli"]
+    alone = subprocess.run(cli + args, capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 0, alone.stderr
+    port = free_ports(1)[0]
+    launched = subprocess.run(["mlx.launch", "--backend", "ring", "-n", "2", "--starting-port", str(port),
+                               *cli, *args], capture_output=True, text=True, timeout=150)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    records = [json.loads(line) for line in launched.stdout.splitlines() if line.startswith("{")]
+    assert len(records) == 1, f"only rank 0 prints: {launched.stdout!r}"
+    assert records[0]["tokens"] == json.loads(alone.stdout)["tokens"]
+    assert records[0]["draft"] == "DFlash"
+
+
+def test_serve_behind_rank_0(tmp_path, pair):
+    import httpx
+
+    model, tokenizer = dflash_mlx.load(str(pair[0]), draft=str(pair[1]))
+    messages = [{"role": "user", "content": "count: one two"}]
+    want = dflash_mlx.generate(model, tokenizer, messages, max_tokens=20, block_tokens="auto")
+    port = free_ports(1)[0]
+    cli = [sys.executable, "-m", "dflash_mlx.cli", "serve", "--model", str(pair[0]), "--draft", str(pair[1]),
+           "--port", str(port), "--prompt-cache-gb", "1"]
+    ranks = launch(tmp_path, 2, cli)
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f"{url}/models", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        for _ in range(2):  # two requests: the ranks go back to waiting after each
+            body = {"model": pair[0].name, "messages": messages, "max_tokens": 20, "temperature": 0}
+            reply = httpx.post(f"{url}/chat/completions", json=body, timeout=60).json()
+            assert "choices" in reply, reply
+            assert reply["choices"][0]["message"]["content"] == want
+        ranks[0].send_signal(signal.SIGINT)  # rank 0 stops serving and shuts the other ranks down
+        results = finish(ranks, timeout=30)
+    finally:
+        for p in ranks:
+            p.kill()
+    assert [code for code, _, _ in results] == [0, 0], results[1][2][-2000:]
+
+
+def _long_spec(tmp_path: Path, pair, peer_timeout: float) -> Path:
+    runs = [dict(prompt=list(range(3, 40)), max_tokens=200, block_tokens="4", temp=0.0, seed=None)]
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(dict(target=str(pair[0]), draft=str(pair[1]), runs=runs, forever=True,
+                                    peer_timeout=peer_timeout)))
+    return path
+
+
+def _wait_for_requests(process) -> None:
+    """Until rank 0 reports a finished request (the pipeline is working)."""
+    for line in process.stdout:
+        if "request done" in line:
+            return
+    pytest.fail("the pipeline never finished a request")
+
+
+def test_a_killed_rank_stops_the_others_with_a_clear_error(tmp_path, pair):
+    ranks = launch(tmp_path, 3, WORKER + [str(_long_spec(tmp_path, pair, 30)), str(tmp_path)])
+    _wait_for_requests(ranks[0])
+    ranks[1].kill()
+    killed_at = time.monotonic()
+    results = finish([ranks[0], ranks[2]], timeout=20)
+    assert time.monotonic() - killed_at < 15
+    for code, _, err in results:
+        assert code == 1 and "the pipeline lost a rank ([ring] connection to a peer was lost); every rank stops" in err, err[-2000:]
+        assert err.count("the pipeline lost a rank") == 1
+
+
+def test_an_unreachable_rank_stops_the_others_after_the_peer_timeout(tmp_path, pair):
+    ranks = launch(tmp_path, 2, WORKER + [str(_long_spec(tmp_path, pair, 2)), str(tmp_path)])
+    _wait_for_requests(ranks[0])
+    ranks[1].send_signal(signal.SIGSTOP)  # alive, sockets open, silent: what a machine off the network looks like
+    stopped_at = time.monotonic()
+    try:
+        (code, _, err), = finish([ranks[0]], timeout=20)
+    finally:
+        ranks[1].kill()
+    assert time.monotonic() - stopped_at < 10
+    assert code == 1 and "no answer from the other ranks of the pipeline for 2 s" in err, err[-2000:]
+
+
+# -- the pieces, without processes -------------------------------------------------------------
+
+def test_stages_balance_weight_bytes_with_the_embedding_and_the_head():
+    assert stages.plan([10] * 8, 2) == [(0, 4), (4, 8)]
+    # The last rank also holds the head and the draft: it gets fewer layers.
+    assert stages.plan([10] * 8, 2, last_extra=20) == [(0, 5), (5, 8)]
+    assert stages.plan([10] * 8, 2, first_extra=20) == [(0, 3), (3, 8)]
+    assert stages.plan([10] * 9, 3) == [(0, 3), (3, 6), (6, 9)]
+    assert stages.plan([1, 1, 1, 1, 50, 1], 2) == [(0, 4), (4, 6)]
+    assert stages.plan([10] * 6, 3, counts=[1, 2, 3]) == [(0, 1), (1, 3), (3, 6)]
+
+
+@pytest.mark.parametrize("counts,world,message", [
+    ([3, 3], 3, "lists 2 stages for 3 ranks"),
+    ([5, 5], 2, "add up to the target's 6 layers"),
+    ([6, 0], 2, "at least one layer"),
+    (None, 7, "7 ranks for a target of 6 layers"),
+])
+def test_bad_stage_splits_are_clear_errors(counts, world, message):
+    with pytest.raises(stages.StageError, match=message):
+        stages.plan([10] * 6, world, counts=counts)
+
+
+def test_stage_counts_parse_or_name_the_bad_value():
+    assert stages.parse_counts("10, 14") == [10, 14]
+    assert stages.parse_counts(None) is None
+    with pytest.raises(stages.StageError, match="'10;14'"):
+        stages.parse_counts("10;14")
+
+
+def test_a_stage_names_only_its_own_tensors():
+    stage = stages.Stage(rank=1, world=3, start=2, end=4, embedding=False)
+    assert stage.local_name("model.layers.3.mlp.up_proj.weight") == "model.layers.1.mlp.up_proj.weight"
+    assert stage.local_name("model.layers.3") == "model.layers.1"
+    assert stage.local_name("model.layers.4.mlp.up_proj.weight") is None
+    assert stage.local_name("model.layers.1.mlp.up_proj.weight") is None
+    assert stage.local_name("model.embed_tokens.weight") is None
+    assert stage.local_name("lm_head.weight") is None
+    last = stages.Stage(rank=2, world=3, start=4, end=6, embedding=True)
+    assert last.local_name("lm_head.weight") == "lm_head.weight"
+    assert last.local_name("model.embed_tokens.scales") == "model.embed_tokens.scales"
+
+
+def test_the_upstream_stand_in_passes_rollbacks_and_restores_on():
+    upstream = Upstream()
+    upstream.offset = 10
+    undo = snapshot([upstream])
+    upstream.offset += 4  # a verify pass of 4
+    upstream.trim(2)  # rollback keeps 2
+    assert (upstream.offset, upstream.take(), upstream.take()) == (12, 2, 0)
+    restore([upstream], undo)
+    assert (upstream.offset, upstream.take()) == (10, 2)
+
+
+def test_rank_0_reads_the_commits_from_the_headers():
+    first = _commit(None, 0, 7)
+    assert (first.tokens, first.drafted) == ([7], 0)
+    verified = _commit((4, [7, 8, 9, 10]), trim=1, next_token=11)  # 2 of 3 drafts accepted
+    assert (verified.tokens, verified.drafted, verified.accepted) == ([8, 9, 11], 3, 2)
+    plain = _commit((1, [5]), trim=0, next_token=6)
+    assert (plain.tokens, plain.drafted, plain.accepted) == ([6], 0, 0)
