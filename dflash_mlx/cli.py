@@ -72,6 +72,8 @@ def _load(model: Optional[str], draft: Optional[str], draft_quant: str, stages: 
         _fail(str(e))
     if loaded[0].pipeline is not None and not pipelined:
         _fail("chat reads the keyboard, which mlx.launch does not forward: pipelined, use `generate --prompt` or `serve`")
+    if loaded[0].pipeline is not None:
+        typer.secho(loaded[0].pipeline.describe(loaded[0].draft), dim=True, err=True)
     for w in caught:
         typer.secho(f"warning: {w.message}", fg=typer.colors.YELLOW, err=True)
     return loaded

@@ -2,7 +2,7 @@
 MLX_HOSTFILE): ``python tests/pipeline_worker.py SPEC OUT``.
 
 SPEC (JSON): ``target``, ``draft``, ``peer_timeout``, ``forever`` and ``runs``, each with
-``prompt``, ``max_tokens``, ``block_tokens``, ``temp``, ``seed`` and optionally ``oracle``
+``prompt``, ``max_tokens``, ``block_tokens``, ``temp``, ``seed``, optionally ``prefill_step_size`` and ``oracle``
 (``sequence``, ``block``, ``schedule``: the last rank drafts with tests' ``OracleDraft``) and
 ``sequence`` (the prompt and its greedy continuation: every rank then compares its caches with
 feeding that sequence directly). Rank 0 writes the answers to OUT/answers.json; every rank writes
@@ -58,7 +58,7 @@ def main(spec_path: str, out: str) -> int:
                 model.draft.target_layer_ids = pipeline.taps
             tokens = [r.token for r in dflash_mlx.stream_generate(
                 model, tokenizer, run["prompt"], max_tokens=run["max_tokens"], block_tokens=run["block_tokens"],
-                temp=run["temp"], seed=run["seed"])]
+                temp=run["temp"], seed=run["seed"], prefill_step_size=run.get("prefill_step_size", 512))]
             model.draft = real_draft
             answers.append(tokens)
             if run.get("sequence"):

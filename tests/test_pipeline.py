@@ -24,7 +24,7 @@ from dflash_mlx import tiny
 from dflash_mlx.cache import restore, snapshot
 from dflash_mlx.pipeline import stages
 from dflash_mlx.pipeline.cycle import Upstream, _commit
-from tests.conftest import VOCAB, random_prompts
+from tests.conftest import VOCAB, make_hf_moe_target, random_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = [sys.executable, str(ROOT / "tests" / "pipeline_worker.py")]
@@ -77,20 +77,46 @@ def pair(tmp_path_factory, hf_target_dir, target_config):
 
 
 @pytest.fixture(scope="module")
-def spec_and_answers(pair):
-    """The runs every pipelined world repeats, and what one process answers to each."""
+def moe_pair(tmp_path_factory):
+    """A mixture-of-experts target in the published release's layout (fused experts, multimodal
+    config) and a draft reading all of its layers."""
+    target = make_hf_moe_target(tmp_path_factory.mktemp("pipeline_moe"), "fused", num_hidden_layers=4, seed=7)
+    text = json.loads((target / "config.json").read_text())["text_config"]
+    draft = tmp_path_factory.mktemp("pipeline_moe_draft")
+    tiny.write_draft(draft, tiny.draft_config(text, block_size=8, target_layer_ids=[3, 0, 2]), seed=3)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def spec_and_answers(request):
+    """The runs every pipelined world repeats, and what one process answers to each (per pair)."""
+    built = {}
+
+    def build(pair_name: str):
+        if pair_name not in built:
+            built[pair_name] = _spec_and_answers(request.getfixturevalue(pair_name))
+        return built[pair_name]
+    return build
+
+
+def _spec_and_answers(pair):
     model, tokenizer = dflash_mlx.load(str(pair[0]), draft=str(pair[1]))
     prompts = [p.tolist() for p in random_prompts(2, VOCAB, seed=5)]
 
-    def answer(prompt, max_tokens, block_tokens, temp=0.0, seed=None):
+    def answer(prompt, max_tokens, block_tokens, temp=0.0, seed=None, prefill_step_size=512):
         return [r.token for r in dflash_mlx.stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
-                                                            block_tokens=block_tokens, temp=temp, seed=seed)]
+                                                            block_tokens=block_tokens, temp=temp, seed=seed,
+                                                            prefill_step_size=prefill_step_size)]
 
     runs = []
     for prompt in prompts:
         greedy = prompt + answer(prompt, 40, 1)
         for block in ("4", "auto", "1"):
             runs.append(dict(prompt=prompt, max_tokens=16, block_tokens=block, temp=0.0, seed=None, sequence=greedy))
+    # The prefill chunked through the pipeline: 13 tokens, then 1 (a chunk that looks like a decode step).
+    assert len(prompts[0]) == 14
+    runs.append(dict(prompt=prompts[0], max_tokens=8, block_tokens="4", temp=0.0, seed=None, prefill_step_size=13,
+                     sequence=prompts[0] + answer(prompts[0], 40, 1)))
     for seed in (3, 4):
         runs.append(dict(prompt=prompts[0], max_tokens=12, block_tokens="4", temp=1.0, seed=seed))
     # The oracle drafts the greedy continuation, wrong at a scheduled slot: every acceptance length
@@ -101,14 +127,17 @@ def spec_and_answers(pair):
         runs.append(dict(prompt=prompts[1], max_tokens=max_tokens, block_tokens="4", temp=0.0, seed=None,
                          oracle=oracle, sequence=greedy))
     expected = [greedy[len(prompts[1]):][: r["max_tokens"]] if r.get("oracle") else
-                answer(r["prompt"], r["max_tokens"], r["block_tokens"], r["temp"], r["seed"]) for r in runs]
+                answer(r["prompt"], r["max_tokens"], r["block_tokens"], r["temp"], r["seed"], r.get("prefill_step_size", 512))
+                for r in runs]
     spec = dict(target=str(pair[0]), draft=str(pair[1]), runs=runs)
     return spec, expected
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_pipelined_answers_equal_one_process_and_caches_hold_the_committed_tokens(tmp_path, spec_and_answers, ranks):
-    spec, expected = spec_and_answers
+@pytest.mark.parametrize("ranks,pair_name", [(2, "pair"), (3, "pair"), (2, "moe_pair")])
+def test_pipelined_answers_equal_one_process_and_caches_hold_the_committed_tokens(tmp_path, spec_and_answers, ranks,
+                                                                                   pair_name):
+    """Dense with 2 and 3 ranks; the mixture of experts with 2 (its draft's taps out of order)."""
+    spec, expected = spec_and_answers(pair_name)
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     results = finish(launch(tmp_path, ranks, WORKER + [str(tmp_path / "spec.json"), str(tmp_path)]))
     for rank, (code, _, err) in enumerate(results):

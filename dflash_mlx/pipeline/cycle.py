@@ -77,6 +77,19 @@ class Pipeline:
     def rank(self) -> int:
         return self.link.rank
 
+    def describe(self, draft=None) -> str:
+        """One line for the logs: this rank's layers and the memory its weights take."""
+        from mlx.utils import tree_flatten
+
+        held = [self.model] + ([draft] if draft is not None else [])
+        size = sum(v.nbytes for m in held for _, v in tree_flatten(m.parameters()))
+        size_text = f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
+        stage, layers = self.stage, self.model.args.num_hidden_layers
+        parts = (["the embedding"] if stage.embedding else []) + (["the head"] if stage.last else [])
+        parts += ["the draft"] if draft is not None else []
+        return (f"rank {stage.rank} of {stage.world}: layers {stage.start}-{stage.end - 1} of {layers}"
+                f"{' with ' + ', '.join(parts) if parts else ''}, {gb:.2f} GB of weights")
+
     @property
     def drives(self) -> bool:
         """Rank 0 takes requests and prints or serves the answers."""
