@@ -167,6 +167,8 @@ def test_generate_under_mlx_launch_prints_what_one_process_prints(tmp_path, pair
     assert len(records) == 1, f"only rank 0 prints: {launched.stdout!r}"
     assert records[0]["tokens"] == json.loads(alone.stdout)["tokens"]
     assert records[0]["draft"] == "DFlash"
+    # Each rank says what it holds (the tiny target has 6 layers; the last rank also the head and draft).
+    assert "rank 0 of 2: layers 0-" in launched.stderr and "with the embedding, the head, the draft" in launched.stderr
 
 
 def test_serve_behind_rank_0(tmp_path, pair):

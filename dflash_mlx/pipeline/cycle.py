@@ -88,7 +88,7 @@ class Pipeline:
         parts = (["the embedding"] if stage.embedding else []) + (["the head"] if stage.last else [])
         parts += ["the draft"] if draft is not None else []
         return (f"rank {stage.rank} of {stage.world}: layers {stage.start}-{stage.end - 1} of {layers}"
-                f"{' with ' + ', '.join(parts) if parts else ''}, {gb:.2f} GB of weights")
+                f"{' with ' + ', '.join(parts) if parts else ''}, {size_text} of weights")
 
     @property
     def drives(self) -> bool:
