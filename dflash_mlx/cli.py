@@ -95,7 +95,7 @@ def _ranks(loaded):
             api.serve_pipeline(loaded)
         except PeerLost as e:
             _fail(str(e))
-        raise typer.Exit(0)
+        _exit_now()
     lost = False
     try:
         yield
@@ -105,6 +105,16 @@ def _ranks(loaded):
     finally:
         if not lost:
             pipeline.shutdown()
+    _exit_now()
+
+
+def _exit_now() -> None:
+    """Exit 0 without running C++ static destructors: once a ring group was used from the server's
+    worker thread, MLX 0.32 sometimes aborts at interpreter exit ("terminate called without an
+    active exception"), after all the work is done."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _check_block_tokens(loaded, block_tokens: str):
