@@ -13,6 +13,7 @@ _EXPORTS = {
     "generate": "api",
     "stream_generate": "api",
     "DFlashModel": "api",
+    "serve_pipeline": "api",
     "GenerationResponse": "api",
     "PromptCache": "prompt_cache",
     "PromptCachePool": "prompt_cache",

@@ -204,7 +204,7 @@ class _PipelineLayout:
     tapped features; rank 0 checks block sizes)."""
 
     def __init__(self, group, target_path: Path, draft_path: Optional[Path], counts):
-        self.rank, self.world = group.rank(), group.size()
+        self.group, self.rank, self.world = group, group.rank(), group.size()
         self.counts = stages.parse_counts(counts) if isinstance(counts, (str, type(None))) else list(counts)
         self.has_draft = draft_path is not None
         self.taps: List[int] = []
@@ -227,6 +227,7 @@ class _PipelineLayout:
         last_embedding = self.has_draft or tied  # the draft embeds its blocks; a tied head is the embedding
         ranges = stages.plan(layer_bytes, self.world, self.counts, first_extra=embedding,
                              last_extra=head + self.draft_bytes + (embedding if last_embedding else 0))
+        stages.agree(self.group, ranges)
         start, end = ranges[self.rank]
         last = self.rank == self.world - 1
         self.stage = stages.Stage(self.rank, self.world, start, end, embedding=self.rank == 0 or (last and last_embedding))

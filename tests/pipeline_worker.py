@@ -1,7 +1,8 @@
 """One rank of a pipelined run in the tests, started as ``mlx.launch`` starts one (MLX_RANK,
 MLX_HOSTFILE): ``python tests/pipeline_worker.py SPEC OUT``.
 
-SPEC (JSON): ``target``, ``draft``, ``peer_timeout``, ``forever`` and ``runs``, each with
+SPEC (JSON): ``target``, ``draft``, ``peer_timeout``, ``stages`` (rank -> ``--stages``),
+``forever`` and ``runs``, each with
 ``prompt``, ``max_tokens``, ``block_tokens``, ``temp``, ``seed``, optionally ``prefill_step_size`` and ``oracle``
 (``sequence``, ``block``, ``schedule``: the last rank drafts with tests' ``OracleDraft``) and
 ``sequence`` (the prompt and its greedy continuation: every rank then compares its caches with
@@ -12,6 +13,7 @@ OUT/caches-RANK.json, the largest difference per run. ``forever``: repeat the ru
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -22,7 +24,7 @@ import numpy as np  # noqa: E402
 
 import dflash_mlx  # noqa: E402
 from dflash_mlx.loading import load_target  # noqa: E402
-from dflash_mlx.pipeline import PeerLost  # noqa: E402
+from dflash_mlx.pipeline import PeerLost, StageError  # noqa: E402
 from tests.test_lossless import OracleDraft, _cache_tensors  # noqa: E402
 
 
@@ -45,7 +47,9 @@ def cache_difference(model, full_target, sequence) -> float:
 
 def main(spec_path: str, out: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
-    model, tokenizer = dflash_mlx.load(spec["target"], draft=spec["draft"], peer_timeout=spec.get("peer_timeout", 30))
+    stages = (spec.get("stages") or {}).get(os.environ["MLX_RANK"])  # per rank: a disagreement is an error
+    model, tokenizer = dflash_mlx.load(spec["target"], draft=spec["draft"], peer_timeout=spec.get("peer_timeout", 30),
+                                       stages=stages)
     pipeline = model.pipeline
     full_target, _ = load_target(Path(spec["target"]))
     real_draft = model.draft
@@ -76,6 +80,6 @@ def main(spec_path: str, out: str) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main(*sys.argv[1:]))
-    except PeerLost as e:
+    except (PeerLost, StageError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)

@@ -243,6 +243,14 @@ def test_an_unreachable_rank_stops_the_others_after_the_peer_timeout(tmp_path, p
     assert code == 1 and "no answer from the other ranks of the pipeline for 2 s" in err, err[-2000:]
 
 
+def test_ranks_that_split_the_target_differently_refuse_to_start(tmp_path, pair):
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(dict(target=str(pair[0]), draft=str(pair[1]), runs=[], stages={"0": "1,3", "1": "2,2"})))
+    results = finish(launch(tmp_path, 2, WORKER + [str(spec), str(tmp_path)]), timeout=60)
+    for rank, (code, _, err) in enumerate(results):
+        assert code == 1 and "other ranks differently: every machine needs the same checkpoint" in err, err[-2000:]
+
+
 # -- the pieces, without processes -------------------------------------------------------------
 
 def test_stages_balance_weight_bytes_with_the_embedding_and_the_head():

@@ -129,6 +129,17 @@ def plan(layer_bytes: Sequence[int], world: int, counts: Optional[Sequence[int]]
     return ranges[::-1]
 
 
+def agree(group, ranges: Sequence[Tuple[int, int]]) -> None:
+    """Check that every rank planned the same split (the same checkpoint and ``--stages`` on every
+    machine): a sum over the ranks equals each rank's own plan times the ranks only if all agree."""
+    flat = [x for r in ranges for x in r]
+    total = mx.distributed.all_sum(mx.array(flat, dtype=mx.int32), group=group)
+    mx.eval(total)
+    if total.tolist() != [x * group.size() for x in flat]:
+        raise StageError(f"rank {group.rank()} split the target as {list(ranges)}, other ranks differently: "
+                         "every machine needs the same checkpoint and the same --stages")
+
+
 def keep_only(model, stage: Stage) -> None:
     """Drop from a freshly built target (parameters not yet loaded) what other ranks hold."""
     model.model.layers = model.model.layers[stage.start:stage.end]
