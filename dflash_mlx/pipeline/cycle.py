@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from ..cache import restore, rollback, snapshot
 from ..speculative import Cancelled, Commit
-from .link import Link, is_transport_error
+from .link import Link, PeerLost, is_transport_error
 from .stages import Stage
 
 PREFILL, STEP, VERIFY, STOP, ABORT, SHUTDOWN = 1, 2, 3, 4, 5, 6
@@ -170,15 +170,18 @@ class Pipeline:
                     raise Cancelled
                 if commit is not None:
                     yield commit
+        except PeerLost:
+            finished = True  # nobody to tell
+            raise
         except RuntimeError as e:
             if is_transport_error(e):
                 finished = True
                 raise link.lost(e) from e
             raise
         finally:
-            link.watchdog.rest()
             if not finished:
-                self._abort(answered)
+                self._abort(answered)  # still watched: a rank that stopped answering ends this too
+            link.watchdog.rest()
 
     def _abort(self, answered: bool) -> None:
         """End the request early: answer the last rank's next header (or the one just received)
