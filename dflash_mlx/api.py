@@ -375,7 +375,8 @@ def stream_generate(
     if isinstance(model, Target):
         model = DFlashModel(model)
     if model.pipeline is not None and not model.pipeline.drives:
-        model.pipeline.take_part(partial(_run_request, model))
+        with wired_limit(model.target):
+            model.pipeline.take_part(partial(_run_request, model))
         return
     if sampler is None:
         sampler = Sampler(temp, top_p, top_k, min_p)
@@ -396,7 +397,8 @@ def stream_generate(
                    "prefill_step_size": prefill_step_size, "stop_tokens": sorted(tokenizer.eos_token_ids)}
         steps = model.pipeline.drive(request, cancelled)
         try:
-            yield from _responses(steps, tokenizer, ids.size, 0, stop or [], max_tokens, None)
+            with wired_limit(model.target):
+                yield from _responses(steps, tokenizer, ids.size, 0, stop or [], max_tokens, None)
         except Cancelled:
             return
         finally:
@@ -453,7 +455,8 @@ def _run_request(model: DFlashModel, request: Dict[str, Any], target: PipelinedT
 def serve_pipeline(model: DFlashModel) -> None:
     """On a pipeline's ranks other than 0: take part in every request rank 0 sends, until rank 0
     calls ``model.pipeline.shutdown()`` (the CLI's ``generate``, ``serve`` and ``bench`` do)."""
-    model.pipeline.serve_forever(partial(_run_request, model))
+    with wired_limit(model.target):
+        model.pipeline.serve_forever(partial(_run_request, model))
 
 
 def _drafting(model: DFlashModel, sampler: Sampler, setting: BlockTokens, use_draft: bool, seed: Optional[int]):

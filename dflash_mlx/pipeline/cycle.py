@@ -77,6 +77,11 @@ class Pipeline:
     def rank(self) -> int:
         return self.link.rank
 
+    @property
+    def drives(self) -> bool:
+        """Rank 0 takes requests and prints or serves the answers."""
+        return self.link.rank == 0
+
     def describe(self, draft=None) -> str:
         """One line for the logs: this rank's layers and the memory its weights take."""
         from mlx.utils import tree_flatten
@@ -90,14 +95,9 @@ class Pipeline:
         return (f"rank {stage.rank} of {stage.world}: layers {stage.start}-{stage.end - 1} of {layers}"
                 f"{' with ' + ', '.join(parts) if parts else ''}, {size_text} of weights")
 
-    @property
-    def drives(self) -> bool:
-        """Rank 0 takes requests and prints or serves the answers."""
-        return self.link.rank == 0
-
     # -- every rank -------------------------------------------------------------------------
 
-    def _layers(self, x: mx.array, cache: list, tapped: bool, record_tape: bool):
+    def run(self, x: mx.array, cache: list, tapped: bool, record_tape: bool):
         """This stage on its input (token ids on rank 0, else the previous stage's output): the
         hidden states and the tapped features so far, in layer order."""
         if self.stage.first:
@@ -108,13 +108,22 @@ class Pipeline:
         h, outputs = self.model.run_layers(h, cache, self._local_taps if tapped else (), record_tape)
         return h, carried + [outputs[i] for i in self._local_taps] if tapped else []
 
-    def _width_in(self, tapped: bool) -> int:
+    def width_in(self, tapped: bool) -> int:
+        """Channels of this stage's input: hidden states, and the features tapped before it."""
         return self.hidden_size * (1 + (self._taps_before if tapped else 0))
+
+    def in_draft_order(self, features: List[mx.array]) -> mx.array:
+        """The tapped features (they arrive in layer order) concatenated as the draft lists its taps."""
+        features = mx.concatenate(features, axis=-1)
+        if self._order == sorted(self._order):
+            return features
+        chunks = mx.split(features, len(self.taps), axis=-1)
+        return mx.concatenate([chunks[i] for i in self._order], axis=-1)
 
     def _pass(self, kind: int, x: mx.array, tapped: bool) -> mx.array:
         """A follower's pass (rank 0, middle ranks): remembered so that the next header can undo it."""
         self._last = (kind, x.shape[1], snapshot(self.cache))
-        h, features = self._layers(x, self.cache, tapped, kind == VERIFY)
+        h, features = self.run(x, self.cache, tapped, kind == VERIFY)
         return mx.concatenate([h, *features], axis=-1) if features else h
 
     def _drop(self, trim: int) -> None:
@@ -235,7 +244,7 @@ class Pipeline:
             if kind in (STOP, ABORT, SHUTDOWN):
                 link.send_ints(_header(kind, trim), link.next)
                 return kind != SHUTDOWN
-            x = link.recv((1, count, self._width_in(bool(tapped))), DTYPES[dtype], link.prev)
+            x = link.recv((1, count, self.width_in(bool(tapped))), DTYPES[dtype], link.prev)
             out = self._pass(kind, x, bool(tapped))
             self._forward(_header(kind, trim, count, tapped, out.dtype), out)
             kind, trim, count, tapped, dtype = link.ints(link.prev, HEADER)
@@ -301,14 +310,10 @@ class PipelinedTarget:
         reply, _, _, _, dtype = link.ints(link.prev, HEADER)
         if reply == ABORT:
             raise Aborted
-        x = link.recv((1, count, pipeline._width_in(tapped)), DTYPES[dtype], link.prev)
+        x = link.recv((1, count, pipeline.width_in(tapped)), DTYPES[dtype], link.prev)
         upstream.offset += count
-        h, features = pipeline._layers(x, own, tapped, record_tape)
+        h, features = pipeline.run(x, own, tapped, record_tape)
         logits = pipeline.model.head(pipeline.model.model.norm(h))
         if not tapped:
             return logits, None
-        features = mx.concatenate(features, axis=-1)
-        if pipeline._order != sorted(pipeline._order):
-            chunks = mx.split(features, len(pipeline.taps), axis=-1)
-            features = mx.concatenate([chunks[i] for i in pipeline._order], axis=-1)
-        return logits, features
+        return logits, pipeline.in_draft_order(features)

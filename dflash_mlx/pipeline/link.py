@@ -64,19 +64,32 @@ class Watchdog:
 
 class Link:
     """This rank's sends and receives. ``wait`` evaluates them in order (the ring delivers
-    messages between two ranks in the order they are evaluated)."""
+    messages between two ranks in the order they are evaluated, and one stream runs them in the
+    order they were queued)."""
 
     def __init__(self, group, timeout: float):
         self.group = group
         self.rank, self.size = group.rank(), group.size()
         self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         self.watchdog = Watchdog(self.rank, timeout)
+        self._threads = threading.local()
+
+    @property
+    def stream(self) -> mx.Stream:
+        """The messages' own stream, apart from the model's: so on a Mac (the model on the GPU,
+        the ring on the CPU) and here alike, and work queued before a send does not hold it back.
+        MLX's streams belong to the thread that made them: one per thread (the server generates
+        on a worker thread)."""
+        stream = getattr(self._threads, "stream", None)
+        if stream is None:
+            stream = self._threads.stream = mx.new_stream(mx.cpu)
+        return stream
 
     def send(self, x: mx.array, dst: int) -> mx.array:
-        return mx.distributed.send(x, dst, group=self.group)
+        return mx.distributed.send(x, dst, group=self.group, stream=self.stream)
 
     def recv(self, shape: Sequence[int], dtype: mx.Dtype, src: int) -> mx.array:
-        return mx.distributed.recv(tuple(shape), dtype, src, group=self.group)
+        return mx.distributed.recv(tuple(shape), dtype, src, group=self.group, stream=self.stream)
 
     def wait(self, *arrays: mx.array) -> None:
         try:

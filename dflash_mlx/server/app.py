@@ -5,6 +5,7 @@ and what they share
 from __future__ import annotations
 
 import hmac
+from contextlib import asynccontextmanager
 from typing import Optional, Union
 
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -139,7 +140,14 @@ def create_app(
     """The server's app. ``context_limit`` defaults to the target's ``max_position_embeddings``;
     ``prompt_cache_bytes`` bounds the prefix caches kept between requests."""
     engine = Engine(model, tokenizer, model_name, context_limit, max_tokens_cap, block_tokens, prompt_cache_bytes)
-    app = FastAPI(title="dflash-mlx", description="OpenAI-compatible API with DFlash speculative decoding.")
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        engine.cancel_all()  # Ctrl-C: whatever a closed connection did not cancel stops now
+
+    app = FastAPI(title="dflash-mlx", description="OpenAI-compatible API with DFlash speculative decoding.",
+                  lifespan=lifespan)
     app.state.engine = engine
     app.state.api_key = api_key.encode() if api_key is not None else None
     _add_error_handlers(app, engine)

@@ -95,7 +95,7 @@ class Metrics:
         return "\n".join(out) + "\n"
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself, hashable by identity (the engine keeps a set of the live ones)
 class Job:
     prompt: Any
     options: Dict[str, Any]
@@ -119,6 +119,7 @@ class Engine:
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-generate")
         # A pipelined target's caches live on every rank: none are kept between requests.
         self.prompt_caches = PromptCachePool(prompt_cache_bytes if model.pipeline is None else 0)
+        self.jobs: set = set()  # submitted and not done
         self.metrics = Metrics()
 
     def answer_budget(self, prompt_tokens: int, requested: Optional[int]) -> int:
@@ -150,8 +151,15 @@ class Engine:
     def submit(self, prompt, options: Dict[str, Any]) -> Job:
         job = Job(prompt, {"block_tokens": self.block_tokens, **options}, asyncio.Queue(), asyncio.get_running_loop())
         self.metrics.count("queued")
+        self.jobs.add(job)
         self.worker.submit(self._run, job)
         return job
+
+    def cancel_all(self) -> None:
+        """Cancel every queued and running generation (the server is stopping: the worker thread,
+        which the interpreter waits for at exit, then stops at its next step)."""
+        for job in list(self.jobs):
+            job.cancelled.set()
 
     def _run(self, job: Job) -> None:
         last = None
@@ -182,6 +190,7 @@ class Engine:
             self.metrics.prompt_cache_bytes = self.prompt_caches.nbytes
             self.metrics.prompt_cache_histories = len(self.prompt_caches.histories)
             self.metrics.count("queued", -1)
+            self.jobs.discard(job)
             job.emit("done", last)
 
 
