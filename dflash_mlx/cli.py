@@ -458,8 +458,13 @@ def train_draft_command(
     init: Annotated[str, typer.Option("--init", help="'random', or 'content-match': the first layer starts as a lookup of the position before the anchor (tied-embedding targets; taps must include the last layer).")] = "random",
     answers_only: Annotated[bool, typer.Option("--answers-only", help="Anchor blocks only in assistant answers of chat text, one chat per window from its start.")] = False,
     decay_gamma: Annotated[float, typer.Option("--decay-gamma", help="Slot k of a block weighs exp(-(k-1)/gamma) in the loss.")] = 4.0,
+    arch: Annotated[str, typer.Option("--arch", help="'dflash', or 'dflash2': per-sublayer dynamic convolutions and a candidate selector (started as the DFlash draft they wrap; the selector learns a top-K cross-entropy, our objective: z-lab's recipe is unpublished).")] = "dflash",
+    conv_kernel_size: Annotated[int, typer.Option("--conv-kernel-size", help="DFlash2: slots each convolution reaches back along the block.")] = 2,
+    conv_group_size: Annotated[int, typer.Option("--conv-group-size", help="DFlash2: channels sharing one dynamic kernel (must divide the hidden size).")] = 16,
+    selector_rank: Annotated[int, typer.Option("--selector-rank", help="DFlash2: rank of the selector's codebooks (each holds a row per vocabulary token).")] = 256,
+    selector_top_k: Annotated[int, typer.Option("--selector-top-k", help="DFlash2: candidates per slot the selector chooses among.")] = 16,
 ) -> None:
-    """Train a DFlash draft for a target (block-diffusion objective, target frozen)."""
+    """Train a DFlash (or DFlash2) draft for a target (block-diffusion objective, target frozen)."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -468,8 +473,15 @@ def train_draft_command(
         TimeElapsedColumn,
     )
 
-    from .train import TrainConfig, train_draft
+    from .train import DFlash2Shape, TrainConfig, train_draft
 
+    if arch not in ("dflash", "dflash2"):
+        _fail(f"--arch {arch!r}: choose 'dflash' or 'dflash2'")
+    for name, value in (("--conv-kernel-size", conv_kernel_size), ("--conv-group-size", conv_group_size),
+                        ("--selector-rank", selector_rank), ("--selector-top-k", selector_top_k)):
+        if value < 1:
+            _fail(f"{name} {value}: at least 1")
+    dflash2 = DFlash2Shape(conv_kernel_size, conv_group_size, selector_rank, selector_top_k) if arch == "dflash2" else None
     try:
         tap_ids = [int(t) for t in taps.split(",") if t.strip()] or None
     except ValueError:
@@ -495,7 +507,7 @@ def train_draft_command(
             losses = train_draft(
                 loaded.target, tokenizer, data, out, config, num_layers=layers, mask_token_id=mask_token_id,
                 resume=resume, on_step=on_step, taps=tap_ids, block_only_layers=block_only_layers, causal=causal,
-                init=init,
+                init=init, dflash2=dflash2,
             )
     except (ValueError, RuntimeError) as e:
         _fail(str(e))

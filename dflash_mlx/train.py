@@ -6,6 +6,11 @@ context features strictly before the anchor and bidirectionally inside the block
 the token at each slot 1.. (same-position prediction), with a cross-entropy weight that decays
 with the slot. The target (and the embedding and head the draft borrows) stay frozen. All anchors
 of a sequence train in one batched pass, each anchor a batch row with its own positions.
+
+DFlash2 drafts (``--arch dflash2``) start as the DFlash draft they wrap (identity convolutions, a
+selector that adds nothing) and add the selector's top-K cross-entropy (``selector_loss``). That
+objective is ours, built from what the published code does at inference: z-lab's training recipe
+is not in its released sources.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .loading import draft_class
 from .models.dflash import DFlashDraft, DraftArgs, resolve_taps
 
 # Resume state lives beside the weights, out of the loaders' way.
@@ -44,15 +50,26 @@ class TrainConfig:
     answers_only: bool = False  # anchors only in assistant answers, one chat per window from its start
 
 
+@dataclass
+class DFlash2Shape:
+    """The DFlash2 parts of a new draft (``--arch dflash2``): z-lab's published drafter uses
+    kernel 2, groups of 16 channels, rank 256 and 16 candidates."""
+
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+
+
 def new_draft_config(
     target, num_layers: int, block_size: int, mask_token_id: int, taps: Optional[List[int]] = None,
-    block_only_layers: int = 0, causal: bool = False,
+    block_only_layers: int = 0, causal: bool = False, dflash2: Optional[DFlash2Shape] = None,
 ) -> Dict:
     """A z-lab (nested schema) draft config sized after the target's attention.
 
     ``block_only_layers``: the last layers see only the block (``sliding_window`` 1): they gather
     from the anchor slot what the first layers read from the context. ``causal``: causal
-    attention inside the block (slot k sees slots 0..k).
+    attention inside the block (slot k sees slots 0..k). ``dflash2``: a DFlash2 draft of that shape.
     """
     a = target.args
     if not 0 <= block_only_layers < num_layers:
@@ -64,8 +81,27 @@ def new_draft_config(
         mask_token_id=mask_token_id, block_size=block_size, rms_norm_eps=a.rms_norm_eps, rope_theta=a.rope_theta,
         layer_types=["full_attention"] * (num_layers - block_only_layers) + ["block_attention"] * block_only_layers,
         is_causal=True if causal else None, vocab_size=a.vocab_size,
+        **({"architecture": "DFlash2DraftModel", **vars(dflash2)} if dflash2 is not None else {}),
     )
+    if dflash2 is not None and a.hidden_size % dflash2.conv_group_size:
+        raise ValueError(f"--conv-group-size {dflash2.conv_group_size} must divide the target's hidden size {a.hidden_size}")
+    if dflash2 is not None and not 1 <= dflash2.selector_top_k <= a.vocab_size:
+        raise ValueError(f"--selector-top-k {dflash2.selector_top_k} must be within 1..{a.vocab_size} (the vocabulary)")
     return args.to_config(taps, a.num_hidden_layers)
+
+
+def dflash2_init(draft) -> None:
+    """A new DFlash2 draft starts as the DFlash draft it wraps: each convolution the identity
+    (base kernel 1 at the current slot, 0 before it; no dynamic part) and the selector the head's
+    own argmax (a zero successor codebook adds nothing to the logits)."""
+    for layer in draft.layers:
+        for conv in (layer.attention_conv, layer.mlp_conv):
+            base = mx.zeros(conv.base_kernel.shape)
+            base[:, 0] = 1.0
+            conv.base_kernel = base
+            conv.kernel_projection.weight = mx.zeros(conv.kernel_projection.weight.shape)
+    selector = draft.candidate_selector
+    selector.successor_codebook.weight = mx.zeros(selector.successor_codebook.weight.shape)
 
 
 def content_match_init(draft: DFlashDraft, target) -> None:
@@ -108,23 +144,37 @@ def content_match_init(draft: DFlashDraft, target) -> None:
 
 
 def block_logits(draft: DFlashDraft, features: mx.array, tokens: mx.array, anchors: mx.array) -> mx.array:
-    """Draft logits [n_anchors, B-1, V] for the blocks at ``anchors`` of one sequence.
+    """Draft logits [n_anchors, B-1, V] for the blocks at ``anchors`` of one sequence (see
+    ``block_hidden``)."""
+    return draft.logits(block_hidden(draft, features, tokens, anchors))
+
+
+def block_hidden(draft: DFlashDraft, features: mx.array, tokens: mx.array, anchors: mx.array) -> mx.array:
+    """The draft's final-normed states [n_anchors, B-1, H] of slots 1.. for the blocks at
+    ``anchors`` of one sequence: what inference computes, for every anchor in one pass.
 
     features: [1, N, taps*H] target features of ``tokens`` [N]; block j sits at positions
-    anchors[j] .. anchors[j]+B-1 and sees context positions < anchors[j].
+    anchors[j] .. anchors[j]+B-1 and sees context positions < anchors[j]. A DFlash2 layer's
+    convolutions wrap its attention and MLP as in inference (they run along the block only).
     """
     B = draft.block_size
     n, N = anchors.shape[0], tokens.shape[0]
     block = mx.full((n, B), draft.mask_token_id, dtype=tokens.dtype)
     block[:, 0] = tokens[anchors]
     x = draft._embed(block)
+    if draft.args.input_embedding_scale != 1.0:
+        x = x * draft.args.input_embedding_scale
     ctx = draft.hidden_norm(draft.fc(features))  # [1, N, H]
     context_pos = mx.arange(N)[None, None, :]
     query_pos = (anchors[:, None] + mx.arange(B)[None, :])[:, :, None]
     before_anchor = context_pos < anchors[:, None, None]  # [n, 1, N]
     for layer in draft.layers:
         attn = layer.self_attn
-        q, k, v = attn.project(layer.input_layernorm(x))
+        attention_conv, mlp_conv = getattr(layer, "attention_conv", None), getattr(layer, "mlp_conv", None)
+        h = layer.input_layernorm(x)
+        if attention_conv is not None:
+            h, kernel = attention_conv.prepare(h)
+        q, k, v = attn.project(h)
         ck, cv = attn.project_context(ctx)
         q, k = draft.rope(q, offset=anchors), draft.rope(k, offset=anchors)
         ck = draft.rope(ck)
@@ -136,19 +186,53 @@ def block_logits(draft: DFlashDraft, features: mx.array, tokens: mx.array, ancho
         inside = mx.ones((B, B), dtype=mx.bool_)
         inside = mx.tril(inside) if attn.is_causal else inside
         mask = mx.concatenate([mx.broadcast_to(visible, (n, B, N)), mx.broadcast_to(inside, (n, B, B))], axis=-1)
-        x = x + attn.attend(q, keys, values, mask[:, None])
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return draft._head(draft.norm(x[:, 1:]))
+        heads = attn.attend(q, keys, values, mask[:, None])
+        x = x + (attention_conv.finish(heads, kernel) if attention_conv is not None else heads)
+        h = layer.post_attention_layernorm(x)
+        if mlp_conv is not None:
+            h, kernel = mlp_conv.prepare(h)
+        out = layer.mlp(h)
+        x = x + (mlp_conv.finish(out, kernel) if mlp_conv is not None else out)
+    return draft.norm(x[:, 1:])
 
 
 def dflash_loss(draft, features, tokens, labels, anchors, gamma: float) -> mx.array:
-    """Weighted same-position cross-entropy; ``labels[p]`` is the wanted token at position p."""
+    """Weighted same-position cross-entropy; ``labels[p]`` is the wanted token at position p.
+    A DFlash2 draft adds its selector's loss (``selector_loss``) with the same slot weights."""
     B = draft.block_size
-    logits = block_logits(draft, features, tokens, anchors)
-    labels = labels[anchors[:, None] + mx.arange(1, B)[None, :]]
+    hidden = block_hidden(draft, features, tokens, anchors)
+    logits = draft.logits(hidden)
+    slot_labels = labels[anchors[:, None] + mx.arange(1, B)[None, :]]
     weights = mx.exp(-(mx.arange(B - 1).astype(mx.float32)) / gamma)
-    ce = nn.losses.cross_entropy(logits.astype(mx.float32), labels)  # [n, B-1]
-    return (ce * weights).sum() / (weights.sum() * anchors.shape[0])
+    ce = nn.losses.cross_entropy(logits.astype(mx.float32), slot_labels)  # [n, B-1]
+    loss = (ce * weights).sum() / (weights.sum() * anchors.shape[0])
+    if hasattr(draft, "candidate_selector"):
+        previous = mx.concatenate([tokens[anchors][:, None], slot_labels[:, :-1]], axis=1)
+        loss = loss + selector_loss(draft.candidate_selector, hidden, logits, previous, slot_labels, weights)
+    return loss
+
+
+def selector_loss(selector, hidden: mx.array, logits: mx.array, previous: mx.array, labels: mx.array,
+                  weights: mx.array) -> mx.array:
+    """The DFlash2 selector's top-K cross-entropy: per slot, the head's K best tokens are the
+    candidates, scored as inference scores them (``logit + <A[previous] * proj(h), B[candidate]>``)
+    with the wanted previous token (teacher forcing), and the wanted token must win. Slots whose
+    wanted token is not among the candidates carry no selector loss (the head's own cross-entropy
+    has to bring it in first); the draft's states and logits enter as constants, so this trains the
+    selector alone."""
+    K = selector.top_k
+    hidden, logits = mx.stop_gradient(hidden), mx.stop_gradient(logits)
+    candidates = mx.argpartition(logits, -K, axis=-1)[..., -K:]  # [n, B-1, K]
+    unary = mx.take_along_axis(logits, candidates, axis=-1).astype(mx.float32)
+    projected = selector.hidden_projection(hidden)  # [n, B-1, R]
+    edges = (selector.predecessor_codebook(previous)[:, :, None] * projected[:, :, None]
+             * selector.successor_codebook(candidates)).sum(axis=-1)
+    scores = unary + edges.astype(mx.float32)
+    hit = candidates == labels[..., None]
+    inside = hit.any(axis=-1).astype(mx.float32)
+    ce = nn.losses.cross_entropy(scores, mx.argmax(hit, axis=-1))  # [n, B-1]
+    counted = (weights * inside).sum()
+    return (ce * weights * inside).sum() / mx.maximum(counted, 1e-6)
 
 
 def _texts(path: Path) -> List[str]:
@@ -253,8 +337,10 @@ def train_draft(
     causal: bool = False,
     init: str = "random",
     on_step=None,
+    dflash2: Optional[DFlash2Shape] = None,
 ) -> List[float]:
-    """Train (or resume training) a draft for ``target`` and write it in z-lab's layout to ``out``."""
+    """Train (or resume training) a draft for ``target`` and write it in z-lab's layout to ``out``
+    (``dflash2``: a DFlash2 draft of that shape)."""
     if config.labels not in ("target", "corpus"):
         raise ValueError(f"labels must be 'target' or 'corpus', got {config.labels!r}")
     mx.random.seed(config.seed)  # before the draft exists: its initialisation is part of the run
@@ -264,7 +350,7 @@ def train_draft(
         draft.bind(target)
     else:
         draft, draft_config = _new_draft(target, tokenizer, config, num_layers, mask_token_id, taps,
-                                         block_only_layers, causal, init)
+                                         block_only_layers, causal, init, dflash2)
         state = {"step": 0, "losses": []}
     config.block_size = draft.block_size
     # The windows and anchors come from this generator alone: a resume restores its state, so that
@@ -304,7 +390,8 @@ def train_draft(
     return losses
 
 
-def _new_draft(target, tokenizer, config: TrainConfig, num_layers, mask_token_id, taps, block_only_layers, causal, init):
+def _new_draft(target, tokenizer, config: TrainConfig, num_layers, mask_token_id, taps, block_only_layers, causal, init,
+               dflash2: Optional[DFlash2Shape] = None):
     """A fresh draft bound to ``target`` and its config (the mask id defaults to the first
     embedding row past the tokenizer)."""
     if init not in ("random", "content-match"):
@@ -316,8 +403,12 @@ def _new_draft(target, tokenizer, config: TrainConfig, num_layers, mask_token_id
                 "the target's embedding has no free row past its tokenizer for the mask token; "
                 "pass --mask-token-id with an id the tokenizer never produces"
             )
-    draft_config = new_draft_config(target, num_layers, config.block_size, mask_token_id, taps, block_only_layers, causal)
-    draft = DFlashDraft(DraftArgs.from_dict(draft_config)).bind(target)
+    draft_config = new_draft_config(target, num_layers, config.block_size, mask_token_id, taps, block_only_layers, causal,
+                                    dflash2)
+    args = DraftArgs.from_dict(draft_config)
+    draft = draft_class(args)(args).bind(target)
+    if dflash2 is not None:
+        dflash2_init(draft)
     if init == "content-match":
         content_match_init(draft, target)
     return draft, draft_config

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -20,6 +21,7 @@ from dflash_mlx.speculative import speculative, target_only
 from dflash_mlx.train import (
     TrainConfig,
     answer_windows,
+    block_hidden,
     block_logits,
     content_match_init,
     corpus_chats,
@@ -253,3 +255,123 @@ def test_the_recipe_trains_and_writes_a_draft_our_loader_takes(tied, tmp_path):
          "--out", str(tmp_path / "bad"), "--init", "clever"], capture_output=True, text=True, cwd=ROOT, timeout=300,
     )
     assert bad.returncode == 1 and "init must be 'random' or 'content-match'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+# -- DFlash2 drafts (--arch dflash2) ---------------------------------------------------------------
+
+DFLASH2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=16, selector_top_k=8)
+
+
+def _new_dflash2(model, tokenizer, block_size=4, layers=2):
+    from dflash_mlx.train import DFlash2Shape, _new_draft
+
+    config = TrainConfig(block_size=block_size)
+    return _new_draft(model.target, tokenizer, config, layers, None, None, 0, False, "random", DFlash2Shape(**DFLASH2))[0]
+
+
+def test_a_new_dflash2_draft_starts_as_the_dflash_draft_it_wraps(setup):
+    """Identity convolutions and a selector that adds nothing: the walk is the head's argmax."""
+    _, _, _, model, tokenizer = setup
+    draft = _new_dflash2(model, tokenizer)
+    x = mx.random.normal((1, 4, draft.args.hidden_size))
+    conv = draft.layers[0].attention_conv
+    once, kernel = conv.prepare(x)
+    np.testing.assert_allclose(np.array(once), np.array(x), atol=1e-6)
+    np.testing.assert_allclose(np.array(conv.finish(x, kernel)), np.array(x), atol=1e-6)
+    hidden = mx.random.normal((1, 3, draft.args.hidden_size))
+    logits = draft.logits(hidden)
+    tokens, _, _ = draft.candidate_selector.select(hidden, logits, mx.array([5]), 0.0)
+    assert tokens.tolist() == mx.argmax(logits, axis=-1).tolist()
+
+
+def test_the_dflash2_training_forward_is_the_inference_forward(setup):
+    """Every anchor's block in the batched training pass equals inference's pass over that block
+    with the context before it (convolutions and selector perturbed away from their start)."""
+    _, _, _, model, tokenizer = setup
+    draft = _new_dflash2(model, tokenizer, block_size=4)
+    for layer in draft.layers:
+        for conv in (layer.attention_conv, layer.mlp_conv):
+            conv.base_kernel = conv.base_kernel + 0.3 * mx.random.normal(conv.base_kernel.shape)
+            conv.kernel_projection.weight = 0.05 * mx.random.normal(conv.kernel_projection.weight.shape)
+    tokens = mx.array(np.random.default_rng(1).integers(0, 400, 32).astype(np.int32))
+    features = model.target.forward(tokens[None], taps=draft.target_layer_ids)[1]
+    anchors = [6, 17]
+    batched = block_hidden(draft, features, tokens, mx.array(anchors, dtype=mx.int32))
+    for row, anchor in enumerate(anchors):
+        cache = draft.make_cache()
+        draft.add_context(features[:, :anchor], cache)
+        block = mx.array([tokens[anchor].item()] + [draft.mask_token_id] * 3)
+        np.testing.assert_allclose(np.array(batched[row]), np.array(draft.hidden(block[None], cache)[0]), atol=1e-4)
+
+
+def test_dflash2_training_teaches_the_selector_and_writes_a_draft_zlab_reads(setup, monkeypatch):
+    from dflash_mlx.models.dflash2 import DFlash2Draft
+    from dflash_mlx.train import DFlash2Shape, selector_loss
+    from tests.test_interop import zlab_load
+
+    root, target_dir, corpus, model, tokenizer = setup
+    out = root / "draft-dflash2"
+    train_draft(model.target, tokenizer, [corpus], out, TrainConfig(steps=40, **CONFIG), num_layers=1,
+                dflash2=DFlash2Shape(**DFLASH2))
+    draft, config = load_draft(out)
+    assert isinstance(draft, DFlash2Draft) and config["architectures"] == ["DFlash2DraftModel"]
+    assert config["dflash_config"]["selector_top_k"] == 8
+    draft.bind(model.target)
+    # The selector learned: on a window of the corpus its loss is below what it was at the start.
+    tokens = mx.array(tokenizer.encode(tiny._CORPUS)[:64])
+    logits, features = model.target.forward(tokens[None], taps=draft.target_layer_ids)
+    labels = mx.concatenate([tokens[:1], mx.argmax(logits[0, :-1], axis=-1).astype(tokens.dtype)])
+    anchors = mx.arange(4, 56, 4)
+    slot_labels = labels[anchors[:, None] + mx.arange(1, 4)[None, :]]
+    previous = mx.concatenate([tokens[anchors][:, None], slot_labels[:, :-1]], axis=1)
+    weights = mx.ones((3,))
+
+    def head_part(d):
+        logits = block_logits(d, features, tokens, anchors)
+        return nn.losses.cross_entropy(logits.astype(mx.float32), slot_labels).mean().item()
+
+    def selector_part(d):
+        hidden = block_hidden(d, features, tokens, anchors)
+        return selector_loss(d.candidate_selector, hidden, d.logits(hidden), previous, slot_labels, weights).item()
+
+    # The body learned (against a fresh draft), and so did the selector (against the one it started
+    # with, on the trained body: the total loss mixes the two, and which slots count for the
+    # selector moves as the head learns).
+    assert head_part(draft) < head_part(_new_dflash2(model, tokenizer, layers=1)) - 0.3
+    start = _new_dflash2(model, tokenizer, layers=1)
+    start.update({k: v for k, v in draft.parameters().items() if k != "candidate_selector"})
+    assert selector_part(draft) < selector_part(start) - 0.05
+    # Lossless, and z-lab's own loader proposes the same walk from what we wrote.
+    prompt = mx.array(tokenizer.encode("def fibonacci(n):"))
+    expected, _ = take(target_only(model.target, prompt, Sampler()), 24)
+    got, _ = take(speculative(model.target, draft, prompt, Sampler(), block_tokens=4), 24)
+    assert got == expected
+    reference = zlab_load(out, monkeypatch).bind(model.target)
+    cache = draft.make_cache()
+    draft.add_context(features, cache)
+    block = mx.array([26] + [draft.mask_token_id] * 3)
+    mine, _ = draft.propose(block, cache, Sampler())
+    walk, _, _ = reference.propose(block[None], features, reference.make_cache(), 0.0, logits_start=1)
+    assert mine.tolist() == walk[0].tolist()
+
+
+def test_cli_trains_a_dflash2_draft_and_refuses_bad_shapes(setup, tmp_path):
+    from typer.testing import CliRunner
+
+    from dflash_mlx.cli import app
+
+    root, target_dir, corpus, _, _ = setup
+    args = ["train-draft", "--model", str(target_dir), "--data", str(corpus), "--seq-len", "48", "--anchors", "4",
+            "--block-size", "4", "--layers", "1"]
+    runner = CliRunner()
+    bad = runner.invoke(app, args + ["--out", str(tmp_path / "bad"), "--arch", "dflash2", "--conv-group-size", "7"])
+    assert bad.exit_code == 1 and "--conv-group-size 7 must divide the target's hidden size 64" in bad.output
+    assert not (tmp_path / "bad").exists()
+    wrong = runner.invoke(app, args + ["--out", str(tmp_path / "x"), "--arch", "dflash3"])
+    assert wrong.exit_code == 1 and "--arch 'dflash3'" in wrong.output
+    done = runner.invoke(app, args + ["--out", str(tmp_path / "ok"), "--arch", "dflash2", "--steps", "3",
+                                      "--selector-rank", "8", "--selector-top-k", "4"])
+    assert done.exit_code == 0, done.output
+    config = json.loads((tmp_path / "ok" / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"]
+    assert {k: config["dflash_config"][k] for k in ("selector_rank", "selector_top_k")} == {"selector_rank": 8, "selector_top_k": 4}
