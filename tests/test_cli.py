@@ -35,6 +35,15 @@ def cli(*args, env=None, input=None):
     )
 
 
+def in_process(*args, input=None):
+    """The CLI run in this process (``typer.testing.CliRunner``): exit code, stdout, stderr apart."""
+    from typer.testing import CliRunner
+
+    from dflash_mlx.cli import app
+
+    return CliRunner().invoke(app, list(args), input=input)
+
+
 def _as_in_a_terminal():
     """A suite started in the background (``cmd &``) ignores SIGINT, and the child would inherit
     that: give it the default disposition a user's shell gives, so Ctrl-C reaches Python."""
@@ -201,10 +210,14 @@ def test_error_paths_are_one_clear_line(pair, tmp_path, command):
         (["-m", str(target), "-d", str(draft), "-b", "99"], "--block-tokens '99': more than the draft's block size 16"),
         (["-m", str(target), "-d", str(draft), "-b", "auto:x"], "--block-tokens 'auto:x': expected an integer, 'auto' or 'auto:N'"),
     ]
-    for args, message in cases:
-        done = cli(command, *args, *extra, input="")
+    for args, message in cases:  # in this process (the exit status and stderr are the CLI's own): fast
+        done = in_process(command, *args, *extra, input="")
         lines = done.stderr.strip().splitlines()
-        assert done.returncode == 1 and len(lines) == 1 and message in lines[0], done.stderr
+        assert done.exit_code == 1 and len(lines) == 1 and message in lines[0], done.stderr
+    # One case as a real process too: the console script's exit status and stderr.
+    done = cli(command, *cases[0][0], *extra, input="")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"error: {cases[0][1]}"), done.stderr
 
 
 def test_debug_mode_re_raises_with_the_traceback(tmp_path):
