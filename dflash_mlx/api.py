@@ -222,15 +222,14 @@ class _PipelineLayout:
         self.stage: Optional[stages.Stage] = None
 
     def stage_of(self, model, weights) -> stages.Stage:
-        layer_bytes, embedding, head = stages.weight_bytes(weights, model.args.num_hidden_layers)
         tied = model.args.tie_word_embeddings
-        last_embedding = self.has_draft or tied  # the draft embeds its blocks; a tied head is the embedding
-        ranges = stages.plan(layer_bytes, self.world, self.counts, first_extra=embedding,
-                             last_extra=head + self.draft_bytes + (embedding if last_embedding else 0))
-        stages.agree(self.group, ranges)
-        start, end = ranges[self.rank]
+        split = stages.split_pair(weights, model.args.num_hidden_layers, self.world, self.counts, self.draft_bytes,
+                                  self.has_draft, tied)
+        stages.agree(self.group, split.ranges)
+        start, end = split.ranges[self.rank]
         last = self.rank == self.world - 1
-        self.stage = stages.Stage(self.rank, self.world, start, end, embedding=self.rank == 0 or (last and last_embedding))
+        embedding = self.rank == 0 or (last and (self.has_draft or tied))
+        self.stage = stages.Stage(self.rank, self.world, start, end, embedding=embedding)
         return self.stage
 
 

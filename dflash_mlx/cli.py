@@ -405,12 +405,25 @@ def doctor(
     probe_tokens: Annotated[int, typer.Option("--probe-tokens", help="With a draft: tokens generated in each thinking mode to compare acceptance (0 = skip).")] = 48,
     tune: Annotated[bool, typer.Option("--tune", help="With --model: time MLX's stock quantized matmul against the verify kernel for every quantized matmul shape of the pair at 1..16 rows, print the table and keep the faster one per shape (saved under $DFLASH_MLX_HOME; the first load of a pair on a GPU does this for shapes it has not seen). Off an Apple GPU there is nothing to tune.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    ranks: Annotated[int, typer.Option("--ranks", help="With --model: the memory of each rank of the target pipelined over this many machines (mlx.launch), each against this machine's budget.")] = 1,
+    stages: Stages = None,
 ) -> None:
     """Check this machine and a pair: device and GPU family, MLX versions, Metal, memory, each
-    kernel's self-check, whether the pair fits at --context, and known acceptance killers;
-    --tune re-times the quantized matmuls. Exits 1 when something is wrong, with the fix."""
+    kernel's self-check, whether the pair fits at --context (or, with --ranks, each rank of a
+    pipeline), and known acceptance killers; --tune re-times the quantized matmuls. Exits 1 when
+    something is wrong, with the fix."""
     from . import doctor as doctor_lib
     from .loading import CheckpointError
+    from .pipeline import stages as stages_lib
+
+    if ranks < 1:
+        _fail(f"--ranks must be at least 1 (got {ranks})")
+    if (ranks > 1 or stages) and model is None:
+        _fail("--ranks and --stages need --model (the pair to split)")
+    try:
+        counts = stages_lib.parse_counts(stages)
+    except ValueError as e:
+        _fail(str(e))
 
     if context < 1:
         _fail(f"--context must be at least 1 (got {context})")
@@ -424,7 +437,7 @@ def doctor(
         _fail("--tune needs --model (the pair whose quantized matmuls to time)")
     try:
         report = doctor_lib.diagnose(model, draft, None if draft_quant == "none" else draft_quant, context, memory_gb,
-                                     probe_tokens, tune=tune)
+                                     probe_tokens, tune=tune, ranks=max(ranks, len(counts or [])), stages=counts)
     except (CheckpointError, ValueError) as e:
         _fail(str(e))
     if as_json:

@@ -9,7 +9,7 @@ import warnings
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -122,6 +122,38 @@ def estimate_memory(target_dir: Path, draft_dir: Optional[Path], draft_quant: Op
     return out
 
 
+def pipeline_memory(target_dir: Path, draft_dir: Optional[Path], memory: Dict[str, int], world: int,
+                    counts: Optional[List[int]] = None) -> List[Tuple[Tuple[int, int], int, int]]:
+    """Per rank of a pipeline over ``world`` ranks: its layer range, weight bytes and cache bytes.
+    The split is the one ``load`` makes (from the same lazily loaded weights: nothing is read);
+    caches follow the layers (attention KV, Gated DeltaNet states and tape), and the last rank
+    also holds the draft (its ``memory`` estimate, after ``--draft-quant``), its context cache and
+    a prefill chunk's logits."""
+    from .loading import read_config, read_weights, target_module
+    from .pipeline import stages
+
+    config = read_config(target_dir)
+    module = target_module(config)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    weights = model.sanitize(read_weights(target_dir))
+    stored_draft = sum(v.nbytes for v in read_weights(draft_dir).values()) if draft_dir is not None else 0
+    split = stages.split_pair(weights, model.args.num_hidden_layers, world, counts, stored_draft,
+                              draft_dir is not None, model.args.tie_word_embeddings)
+    types = model.args.layer_types
+    n_attn = max(sum(t == "full_attention" for t in types), 1)
+    n_lin = max(len(types) - sum(t == "full_attention" for t in types), 1)
+    recurrent = memory["Gated DeltaNet states"] + memory.get("verify tape (one block)", 0)
+    out = []
+    for rank, ((start, end), held) in enumerate(zip(split.ranges, split.weight_bytes)):
+        attn = sum(t == "full_attention" for t in types[start:end])
+        caches = memory["attention KV caches"] * attn // n_attn + recurrent * (end - start - attn) // n_lin
+        if rank == world - 1:
+            held += memory.get("draft weights", 0) - stored_draft
+            caches += memory.get("draft context cache", 0) + memory["prefill chunk logits"]
+        out.append(((start, end), held, caches))
+    return out
+
+
 def _gib(n: float) -> str:
     for unit, size in (("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
         if abs(n) >= size:
@@ -211,11 +243,13 @@ def diagnose(model: Optional[str] = None, draft: Optional[str] = None, draft_qua
              context: int = 8192, memory_gb: Optional[float] = None, probe_tokens: int = 48,
              facts: Optional[device_lib.DeviceFacts] = None, metal: Optional[kernels.MetalKernels] = None,
              kernel_shapes: Optional[List[tuple]] = None, tune: bool = False, matmuls=None, tuning_cache=None,
-             measure=None) -> Report:
+             measure=None, ranks: int = 1, stages: Optional[List[int]] = None) -> Report:
     """Every check. ``facts`` and ``metal`` stand for this machine's device and kernels, and
     ``kernel_shapes`` (Dk, Hk, Dv, Hv) for the heads to self-check (tests pass others). ``tune``
     (with a model) re-times the pair's quantized matmuls, through ``matmuls``
-    (``quantized.QuantizedMatmuls``, this GPU's by default) into ``tuning_cache`` with ``measure``."""
+    (``quantized.QuantizedMatmuls``, this GPU's by default) into ``tuning_cache`` with ``measure``.
+    ``ranks`` > 1 (with a model): the memory of each rank of a pipeline over that many machines
+    (``stages``: layers per rank), each against this machine's budget."""
     facts = facts or device_lib.facts()
     if metal is None and facts.metal:
         metal = kernels.process_metal_kernels()
@@ -263,7 +297,16 @@ def diagnose(model: Optional[str] = None, draft: Optional[str] = None, draft_qua
         need = sum(report.memory.values())
         budget = int(memory_gb * GiB) if memory_gb else (facts.recommended_working_set or facts.memory_bytes)
         source = "--memory-gb" if memory_gb else ("MLX's recommended working set" if facts.recommended_working_set else "total memory")
-        if budget:
+        if ranks > 1:
+            report.add("fits in memory", INFO, f"in one process the pair needs {_gib(need)} at {context} tokens of context; "
+                       f"pipelined over {ranks} ranks:")
+            for rank, ((start, end), held, caches) in enumerate(pipeline_memory(target_dir, draft_dir, report.memory, ranks, stages)):
+                detail = (f"layers {start}-{end - 1}: {_gib(held)} of weights + {_gib(caches)} of caches = {_gib(held + caches)}"
+                          + (f"; {source} {_gib(budget)} (this machine's)" if budget else ""))
+                fits = not budget or held + caches <= budget
+                report.add(f"rank {rank} of {ranks}", OK if fits else FAIL, detail,
+                           "" if fits else "more ranks, --stages to move layers to a bigger machine, or a 4-bit target")
+        elif budget:
             headroom = budget - need
             detail = f"needs {_gib(need)} at {context} tokens of context; {source} {_gib(budget)}; headroom {_gib(headroom)}"
             if headroom < 0:

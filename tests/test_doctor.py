@@ -47,6 +47,26 @@ def test_doctor_refuses_bad_options():
         assert done.returncode != 0 and message in done.stderr, (args, done.stderr)
 
 
+def test_doctor_sizes_each_rank_of_a_pipeline():
+    """--ranks: the split `load` makes under mlx.launch (the demo over two ranks holds layers 0-3
+    and 4-5, as its ranks print at load), each rank's weights and caches against the budget."""
+    from tests.test_cli import in_process
+
+    report = doctor.diagnose("demo", probe_tokens=0, ranks=2)
+    ranks = {c.name: c for c in report.checks if c.name.startswith("rank ")}
+    assert ranks["rank 0 of 2"].detail.startswith("layers 0-3: ") and ranks["rank 1 of 2"].detail.startswith("layers 4-5: ")
+    assert all(c.status == doctor.OK for c in ranks.values())
+    manual = doctor.diagnose("demo", probe_tokens=0, ranks=2, stages=[1, 5])
+    assert {c.name: c.detail.split(":")[0] for c in manual.checks if c.name.startswith("rank ")} == {
+        "rank 0 of 2": "layers 0-0", "rank 1 of 2": "layers 1-5"}
+    tight = in_process("doctor", "--model", "demo", "--ranks", "2", "--memory-gb", "0.005", "--probe-tokens", "0")
+    assert tight.exit_code == 1 and "[FAIL] rank 1 of 2: layers 4-5" in tight.stdout, tight.stdout
+    assert "[ok  ] rank 0 of 2" in tight.stdout  # the last rank also holds the draft and its cache
+    too_many = in_process("doctor", "--model", "demo", "--ranks", "7", "--probe-tokens", "0")
+    assert too_many.exit_code == 1 and "7 ranks for a target of 6 layers" in too_many.stderr
+    assert in_process("doctor", "--ranks", "2").exit_code == 1
+
+
 def test_doctor_tune_off_an_apple_gpu_has_nothing_to_tune():
     done = cli("doctor", "--model", "demo", "--draft-quant", "w4", "--tune", "--probe-tokens", "0")
     assert done.returncode == 0, done.stderr

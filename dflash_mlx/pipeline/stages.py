@@ -69,6 +69,28 @@ def weight_bytes(weights: Dict[str, mx.array], num_layers: int) -> Tuple[List[in
     return layers, embedding, head
 
 
+@dataclass(frozen=True)
+class Split:
+    """Where a pair's weights go over the ranks: each rank's layer range and weight bytes."""
+
+    ranges: List[Tuple[int, int]]
+    weight_bytes: List[int]
+
+
+def split_pair(weights: Dict[str, mx.array], num_layers: int, world: int, counts: Optional[Sequence[int]] = None,
+               draft_bytes: int = 0, has_draft: bool = False, tied: bool = False) -> Split:
+    """The split of a target's (sanitized, lazily loaded) weights over ``world`` ranks: rank 0
+    holds the embedding; the last rank the final norm, the head, the draft, and the embedding
+    again when the draft needs it (it embeds its blocks) or the head is the embedding (tied)."""
+    layer_bytes, embedding, head = weight_bytes(weights, num_layers)
+    first_extra = embedding
+    last_extra = head + draft_bytes + (embedding if has_draft or tied else 0)
+    ranges = plan(layer_bytes, world, counts, first_extra, last_extra)
+    held = [sum(layer_bytes[s:e]) + (first_extra if r == 0 else 0) + (last_extra if r == world - 1 else 0)
+            for r, (s, e) in enumerate(ranges)]
+    return Split(ranges, held)
+
+
 def parse_counts(text: Optional[str]) -> Optional[List[int]]:
     """``--stages 10,14``: layers per rank, in rank order."""
     if text is None or not text.strip():
