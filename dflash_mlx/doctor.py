@@ -129,13 +129,10 @@ def pipeline_memory(target_dir: Path, draft_dir: Optional[Path], memory: Dict[st
     caches follow the layers (attention KV, Gated DeltaNet states and tape), and the last rank
     also holds the draft (its ``memory`` estimate, after ``--draft-quant``), its context cache and
     a prefill chunk's logits."""
-    from .loading import read_config, read_weights, target_module
+    from .loading import read_target, read_weights
     from .pipeline import stages
 
-    config = read_config(target_dir)
-    module = target_module(config)
-    model = module.Model(module.ModelArgs.from_dict(config))
-    weights = model.sanitize(read_weights(target_dir))
+    model, _, weights = read_target(target_dir)
     stored_draft = sum(v.nbytes for v in read_weights(draft_dir).values()) if draft_dir is not None else 0
     split = stages.split_pair(weights, model.args.num_hidden_layers, world, counts, stored_draft,
                               draft_dir is not None, model.args.tie_word_embeddings)

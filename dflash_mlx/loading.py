@@ -142,6 +142,21 @@ def target_module(config: Dict[str, Any]):
     return qwen3_5_moe if target_kind(config) == "moe" else qwen3_5
 
 
+def read_target(path: Path) -> Tuple[Any, Dict[str, Any], Dict[str, mx.array]]:
+    """A target built from its config (parameters not loaded), the config, and its sanitized
+    weights, lazily loaded: nothing is read until evaluated."""
+    config = read_config(path)
+    try:
+        module = target_module(config)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from e
+    try:
+        model = module.Model(module.ModelArgs.from_dict(config))
+        return model, config, model.sanitize(read_weights(path))
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from e
+
+
 def load_target(path: Path, recurrence=None, stage_of=None) -> Tuple[Any, Dict[str, Any]]:
     """A Qwen3.5 target (``models.qwen3_5.Model``, or ``models.qwen3_5_moe.Model`` for the mixture
     of experts) and its config. ``recurrence`` (``kernels.Recurrence``) overrides how its Gated
@@ -150,16 +165,7 @@ def load_target(path: Path, recurrence=None, stage_of=None) -> Tuple[Any, Dict[s
     its (lazily loaded) weights; only that stage's weights are then read."""
     from .models import qwen3_5
 
-    config = read_config(path)
-    try:
-        module = target_module(config)
-    except CheckpointError as e:
-        raise CheckpointError(f"{path}: {e}") from e
-    try:
-        model = module.Model(module.ModelArgs.from_dict(config))
-        weights = model.sanitize(read_weights(path))
-    except ValueError as e:
-        raise CheckpointError(f"{path}: {e}") from e
+    model, config, weights = read_target(path)
     module_path = qwen3_5.module_path
     if stage_of is not None:
         from .pipeline.stages import keep_only

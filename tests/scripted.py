@@ -68,6 +68,15 @@ def write_scripted_pair(root: Path, reply: str, template: str = QWEN35_TEMPLATE)
 
 
 @contextmanager
+def openai_client(pair, *options):
+    """The official ``openai`` client of a scripted server running for the duration of the block."""
+    import openai
+
+    with running_server(pair, *options) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@contextmanager
 def running_server(pair, *options):
     """``dflash-mlx serve`` on the pair for the duration of the block; yields its URL."""
     from tests.test_server import start_server

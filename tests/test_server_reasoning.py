@@ -3,12 +3,11 @@ switches, and earlier reasoning sent back; on a target that answers a fixed Qwen
 
 from __future__ import annotations
 
-import openai
 import pytest
 
 from dflash_mlx import generate
 from dflash_mlx.api import load
-from tests.scripted import running_server, write_scripted_pair
+from tests.scripted import openai_client, write_scripted_pair
 
 REASONING, ANSWER = "The quick brown fox", " jumps over a block"
 
@@ -20,8 +19,8 @@ def pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(pair):
-    with running_server(pair) as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    with openai_client(pair) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import json
 import openai
 import pytest
 
-from tests.scripted import running_server, write_scripted_pair
+from tests.scripted import openai_client, write_scripted_pair
 
 REASONING = "The quick brown fox"
 CALL = "<tool_call><function=get_weather><parameter=city>Paris</parameter></function></tool_call>"
@@ -24,8 +24,8 @@ def pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(pair):
-    with running_server(pair) as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    with openai_client(pair) as client:
+        yield client
 
 
 def create(client, **kwargs):
