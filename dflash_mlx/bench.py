@@ -106,16 +106,16 @@ def measure(
 
 
 def load_mlx_lm(target_path: Path):
-    """The target as mlx-lm builds it (its ``qwen3_5`` / ``qwen3_5_moe`` classes; text-only
-    checkpoints name their model type ``*_text``, which mlx-lm's loader does not map itself)."""
+    """The target as mlx-lm builds it, with its ``qwen3_5`` / ``qwen3_5_moe`` classes whatever the
+    config calls the model (text-only checkpoints say ``*_text``, some Qwen3.8 re-exports ``qwen3_8``:
+    names mlx-lm's loader does not map itself)."""
     from mlx_lm.models import qwen3_5, qwen3_5_moe
     from mlx_lm.utils import load_model
 
-    from .loading import read_config
+    from .loading import read_config, target_kind
 
-    module = {"qwen3_5_text": qwen3_5, "qwen3_5_moe_text": qwen3_5_moe}.get(read_config(target_path).get("model_type"))
-    kwargs = {"get_model_classes": lambda config: (module.Model, module.ModelArgs)} if module is not None else {}
-    model, _ = load_model(Path(target_path), **kwargs)
+    module = qwen3_5_moe if target_kind(read_config(target_path)) == "moe" else qwen3_5
+    model, _ = load_model(Path(target_path), get_model_classes=lambda config: (module.Model, module.ModelArgs))
     return model
 
 

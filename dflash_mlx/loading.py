@@ -123,7 +123,10 @@ def quantize_from_config(model: nn.Module, quantization: Dict[str, Any], weights
                 class_predicate=predicate)
 
 
-TARGET_TYPES = {"qwen3_5": "dense", "qwen3_5_text": "dense", "qwen3_5_moe": "moe", "qwen3_5_moe_text": "moe"}
+# Qwen3.6 and Qwen3.8 releases say ``qwen3_5`` (Qwen3.8-27B's config.json declares
+# ``Qwen3_5ForConditionalGeneration``); some re-exports of Qwen3.8 name the same layers ``qwen3_8``.
+TARGET_TYPES = {"qwen3_5": "dense", "qwen3_5_text": "dense", "qwen3_5_moe": "moe", "qwen3_5_moe_text": "moe",
+                "qwen3_8": "dense", "qwen3_8_text": "dense"}
 
 
 def target_kind(config: Dict[str, Any]) -> str:

@@ -10,7 +10,7 @@ import mlx.core as mx
 from dflash_mlx import device, doctor, kernels
 from dflash_mlx.api import load, stream_generate
 from tests.metal_emulation import LOWEST_FIRST, EmulatedMetal, mutated_sources
-from tests.test_cli import cli
+from tests.test_cli import cli, in_process
 from tests.test_kernels import MUTATIONS
 
 M1 = device.DeviceFacts("Apple M1", "applegpu_g13s", True, 13, 16 * doctor.GiB, 11 * doctor.GiB)
@@ -43,15 +43,13 @@ def test_doctor_refuses_bad_options():
                           (["--memory-gb", "0"], "--memory-gb must be positive"),
                           (["--probe-tokens", "-1"], "--probe-tokens"), (["--tune"], "--tune needs --model"),
                           (["--model", "demo", "--draft-quant", "w7", "--probe-tokens", "0"], "w7")):
-        done = cli("doctor", *args)
-        assert done.returncode != 0 and message in done.stderr, (args, done.stderr)
+        done = in_process("doctor", *args)
+        assert done.exit_code != 0 and message in done.stderr, (args, done.stderr)
 
 
 def test_doctor_sizes_each_rank_of_a_pipeline():
     """--ranks: the split `load` makes under mlx.launch (the demo over two ranks holds layers 0-3
     and 4-5, as its ranks print at load), each rank's weights and caches against the budget."""
-    from tests.test_cli import in_process
-
     report = doctor.diagnose("demo", probe_tokens=0, ranks=2)
     ranks = {c.name: c for c in report.checks if c.name.startswith("rank ")}
     assert ranks["rank 0 of 2"].detail.startswith("layers 0-3: ") and ranks["rank 1 of 2"].detail.startswith("layers 4-5: ")

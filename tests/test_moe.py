@@ -85,12 +85,12 @@ def test_a_mixture_of_expert_layouts_is_a_clear_error(per_expert_dir, fused_dir,
 
 
 def test_qwen3_6_configs_load(per_expert_dir, moe, tmp_path):
-    """Qwen3.6's extra fields (output_gate_type, language_model_only, text-level bos_token_id)."""
+    """Qwen3.6's extra fields (output_gate_type "swish", language_model_only, text-level bos_token_id)."""
     import shutil
 
     shutil.copy(per_expert_dir / "model.safetensors", tmp_path / "model.safetensors")
     config = json.loads((per_expert_dir / "config.json").read_text())
-    config.update(output_gate_type="sigmoid", language_model_only=True, bos_token_id=248044)
+    config.update(output_gate_type="swish", language_model_only=True, bos_token_id=248044)
     (tmp_path / "config.json").write_text(json.dumps(config))
     model, _ = load_target(tmp_path)
     np.testing.assert_array_equal(np.array(model(mx.array(PROMPT))), np.array(moe[0](mx.array(PROMPT))))

@@ -19,6 +19,9 @@ from .. import kernels, quantized
 from ..cache import GatedDeltaCache, GatedDeltaTape
 from .layers import MLP
 
+# Gated DeltaNet output gates that are Qwen3.5's silu (``None``: the field is absent).
+SILU_GATES = (None, "silu", "swish")
+
 # The longest input a layer runs compiled: every decode and verify pass (blocks of up to 16).
 COMPILED_TOKENS = 16
 
@@ -47,8 +50,17 @@ class ModelArgs:
     partial_rotary_factor: float = 0.25
     eos_token_id: Any = None
     rope_parameters: Dict[str, Any] = field(default_factory=dict)
+    # The activation of the gate that each Gated DeltaNet layer's norm multiplies by. Qwen3.5 says
+    # none, Qwen3.6 and Qwen3.8 say "swish" (the same function); vLLM also runs "sigmoid", which
+    # only models of another architecture (Qwen3.8-Flash-Next) ask for: refused, never ignored.
+    output_gate_type: Optional[str] = None
 
     def __post_init__(self):
+        if self.output_gate_type not in SILU_GATES:
+            raise ValueError(
+                f"output_gate_type {self.output_gate_type!r}: its Gated DeltaNet layers would gate their norm "
+                "with another function than Qwen3.5's silu (swish); this is not a Qwen3.5-architecture model"
+            )
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.rope_parameters:
