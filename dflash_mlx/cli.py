@@ -476,6 +476,7 @@ def train_draft_command(
     conv_group_size: Annotated[int, typer.Option("--conv-group-size", help="DFlash2: channels sharing one dynamic kernel (must divide the hidden size).")] = 16,
     selector_rank: Annotated[int, typer.Option("--selector-rank", help="DFlash2: rank of the selector's codebooks (each holds a row per vocabulary token).")] = 256,
     selector_top_k: Annotated[int, typer.Option("--selector-top-k", help="DFlash2: candidates per slot the selector chooses among.")] = 16,
+    from_draft: Annotated[Optional[str], typer.Option("--from-draft", help="Start from this trained draft for the target (folder, Hugging Face repo id, or 'demo') instead of a new one; its layers, taps, block size and mask are kept. With --arch dflash2 a DFlash draft becomes the DFlash2 draft that wraps it.")] = None,
 ) -> None:
     """Train a DFlash (or DFlash2) draft for a target (block-diffusion objective, target frozen)."""
     from rich.progress import (
@@ -504,6 +505,22 @@ def train_draft_command(
         _fail(f"--data {missing[0]} does not exist")
     if out.exists() and not resume and any(out.iterdir()):
         _fail(f"{out} already exists and is not empty (use --resume to continue it, or another --out)")
+    start = None
+    if from_draft is not None:
+        if resume:
+            _fail("--from-draft starts a new run; --resume continues the one in --out: give one of them")
+        shaped = [flag for flag, given in (("--layers", layers != 2), ("--taps", bool(taps)), ("--block-size", block_size != 8),
+                                           ("--mask-token-id", mask_token_id is not None), ("--block-only-layers", block_only_layers != 0),
+                                           ("--causal", causal), ("--init", init != "random")) if given]
+        if shaped:
+            _fail(f"{shaped[0]}: the draft given with --from-draft decides its own shape")
+        from .defaults import DEMO, demo
+        from .loading import CheckpointError, resolve_path
+
+        try:
+            start = Path(demo()[1]) if from_draft == DEMO else resolve_path(from_draft)
+        except CheckpointError as e:
+            _fail(f"--from-draft {from_draft}: {e}")
     loaded, tokenizer = _load(model, None, "none")
     config = TrainConfig(
         seq_len=seq_len, anchors=anchors, block_size=block_size, steps=steps, learning_rate=learning_rate,
@@ -520,7 +537,7 @@ def train_draft_command(
             losses = train_draft(
                 loaded.target, tokenizer, data, out, config, num_layers=layers, mask_token_id=mask_token_id,
                 resume=resume, on_step=on_step, taps=tap_ids, block_only_layers=block_only_layers, causal=causal,
-                init=init, dflash2=dflash2,
+                init=init, dflash2=dflash2, start=start,
             )
     except (ValueError, RuntimeError) as e:
         _fail(str(e))

@@ -60,6 +60,13 @@ class DFlash2Shape:
     selector_rank: int = 256
     selector_top_k: int = 16
 
+    def check(self, target_args) -> None:
+        """Refuse a shape the target cannot take, naming the flag."""
+        if target_args.hidden_size % self.conv_group_size:
+            raise ValueError(f"--conv-group-size {self.conv_group_size} must divide the target's hidden size {target_args.hidden_size}")
+        if not 1 <= self.selector_top_k <= target_args.vocab_size:
+            raise ValueError(f"--selector-top-k {self.selector_top_k} must be within 1..{target_args.vocab_size} (the vocabulary)")
+
 
 def new_draft_config(
     target, num_layers: int, block_size: int, mask_token_id: int, taps: Optional[List[int]] = None,
@@ -83,10 +90,8 @@ def new_draft_config(
         is_causal=True if causal else None, vocab_size=a.vocab_size,
         **({"architecture": "DFlash2DraftModel", **vars(dflash2)} if dflash2 is not None else {}),
     )
-    if dflash2 is not None and a.hidden_size % dflash2.conv_group_size:
-        raise ValueError(f"--conv-group-size {dflash2.conv_group_size} must divide the target's hidden size {a.hidden_size}")
-    if dflash2 is not None and not 1 <= dflash2.selector_top_k <= a.vocab_size:
-        raise ValueError(f"--selector-top-k {dflash2.selector_top_k} must be within 1..{a.vocab_size} (the vocabulary)")
+    if dflash2 is not None:
+        dflash2.check(a)
     return args.to_config(taps, a.num_hidden_layers)
 
 
@@ -102,6 +107,33 @@ def dflash2_init(draft) -> None:
             conv.kernel_projection.weight = mx.zeros(conv.kernel_projection.weight.shape)
     selector = draft.candidate_selector
     selector.successor_codebook.weight = mx.zeros(selector.successor_codebook.weight.shape)
+
+
+def draft_from(path: Path, target, dflash2: Optional[DFlash2Shape] = None):
+    """A trained draft to train further, bound to ``target``, and its config. With ``dflash2`` a
+    DFlash draft becomes the DFlash2 draft that wraps it: its weights, identity convolutions and a
+    selector that first adds nothing (``dflash2_init``), so training starts from its acceptance."""
+    from .loading import load_draft, mlx_quantization
+    from .models.dflash2 import DFlash2Draft
+
+    draft, config = load_draft(path)
+    if mlx_quantization(config):
+        raise ValueError(f"{path} is quantized: start from the unquantized draft (quantize after training)")
+    is_dflash2 = isinstance(draft, DFlash2Draft)
+    if is_dflash2 and dflash2 is None:
+        raise ValueError(f"{path} is a DFlash2 draft: train it with --arch dflash2")
+    draft.set_dtype(mx.float32)  # it trains in float32, whatever it was stored in
+    draft.bind(target)  # a draft made for another target is refused here, by what does not fit
+    if dflash2 is None or is_dflash2:
+        return draft, config
+    a = target.args
+    dflash2.check(a)
+    args = DraftArgs(**{**vars(draft.args), "architecture": "DFlash2DraftModel", "vocab_size": a.vocab_size,
+                        **vars(dflash2)})
+    wrapper = DFlash2Draft(args)
+    wrapper.load_weights(tree_flatten(draft.parameters()), strict=False)
+    dflash2_init(wrapper)
+    return wrapper.bind(target), args.to_config(draft.target_layer_ids, a.num_hidden_layers)
 
 
 def content_match_init(draft: DFlashDraft, target) -> None:
@@ -338,9 +370,11 @@ def train_draft(
     init: str = "random",
     on_step=None,
     dflash2: Optional[DFlash2Shape] = None,
+    start: Optional[Path] = None,
 ) -> List[float]:
     """Train (or resume training) a draft for ``target`` and write it in z-lab's layout to ``out``
-    (``dflash2``: a DFlash2 draft of that shape)."""
+    (``dflash2``: a DFlash2 draft of that shape; ``start``: from that trained draft, see
+    ``draft_from``)."""
     if config.labels not in ("target", "corpus"):
         raise ValueError(f"labels must be 'target' or 'corpus', got {config.labels!r}")
     mx.random.seed(config.seed)  # before the draft exists: its initialisation is part of the run
@@ -348,6 +382,9 @@ def train_draft(
     if resume:
         draft, draft_config, state = checkpoint.load()
         draft.bind(target)
+    elif start is not None:
+        draft, draft_config = draft_from(start, target, dflash2)
+        state = {"step": 0, "losses": []}
     else:
         draft, draft_config = _new_draft(target, tokenizer, config, num_layers, mask_token_id, taps,
                                          block_only_layers, causal, init, dflash2)

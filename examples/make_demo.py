@@ -557,6 +557,9 @@ def main():
     parser.add_argument("--lookahead-horizon", type=int, default=4, help="Tokens ahead the lookahead heads predict (2..N).")
     parser.add_argument("--draft-layers", type=int, default=2, help="train-draft --layers (the last one sees only the block).")
     parser.add_argument("--draft-chats", type=int, default=3000, help="Edit chats (a shuffled sample) the draft trains on.")
+    parser.add_argument("--corpus-only", action="store_true",
+                        help="Write work/corpus.jsonl and the draft's edit chats (work/edit_corpus.jsonl) and stop: the data "
+                             "`train-draft --model demo --from-draft demo` trains on.")
     parser.add_argument("--skip-target", action="store_true", help="Reuse work/target: skip the first target stage.")
     parser.add_argument("--skip-copy", action="store_true", help="Skip the second (copy-focused) target stage.")
     parser.add_argument("--skip-draft", action="store_true", help="Stop after the target.")
@@ -571,6 +574,11 @@ def main():
     corpus, target_dir, draft_dir = work / "corpus.jsonl", work / "target", work / "draft"
     info_file = work / "build.json"
     info = json.loads(info_file.read_text()) if info_file.exists() else {}
+    if args.corpus_only:
+        work.mkdir(parents=True, exist_ok=True)
+        print("corpus:", build_corpus(corpus, args.seed, args.max_files), flush=True)
+        print("edit chats:", write_edit_corpus(corpus, work / "edit_corpus.jsonl", args.draft_chats, args.seed + 1), flush=True)
+        return
     if not args.skip_target:
         started = time.time()
         info["corpus"] = build_corpus(corpus, args.seed, args.max_files)

@@ -219,3 +219,21 @@ def test_the_bench_runs_dflash2_drafts(dflash2, target, hf_target_dir):
     model = DFlashModel(target, dflash2, target_path=hf_target_dir)
     runs = run_all(model, load_tokenizer(hf_target_dir), [("code", 0, 0, "def f(x):")], ["4", "auto"], 16, False)
     assert all(row["identical"] for row in summarize(runs)) and len(runs) == 3
+
+
+def test_the_codebook_measurement_scores_every_setting(target_config, hf_target_dir, tmp_path, monkeypatch, capsys):
+    """examples/dflash2_codebooks.py (docs/design.md's table): every row on the same answers."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    draft = write_dflash2(tmp_path, target_config, selector_rank=64)
+    script = Path(__file__).resolve().parents[1] / "examples" / "dflash2_codebooks.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--model", str(hf_target_dir), "--draft", str(draft), "--suites", "edit",
+                                      "--tokens", "12"])
+    runpy.run_path(str(script), run_name="__main__")
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "setting" not in line]
+    assert [row.split(" | ")[0][2:] for row in rows] == [
+        "codebooks as stored", "codebooks w8", "codebooks w4", "layers w4, codebooks as stored", "layers w4, codebooks w4",
+        "selector off (head argmax)"]
+    assert rows[0].endswith("(0.0%) |")  # the reference row against itself

@@ -121,3 +121,13 @@ def test_install_cast_keeps_a_loadable_checkpoint_in_the_new_dtype(build, tmp_pa
     assert float(mx.abs(got - expected).max()) < 0.1 * float(mx.abs(expected).max())  # rounding, not damage
     hf = Qwen3_5ForCausalLM.from_pretrained(str(work))  # and transformers still reads it
     assert str(hf.dtype) == "torch.bfloat16"
+
+
+def test_corpus_only_writes_the_edit_chats_and_stops(tmp_path):
+    """--corpus-only: the data `train-draft --model demo --from-draft demo` takes (docs/training.md)."""
+    done = subprocess.run([sys.executable, "examples/make_demo.py", "--work", str(tmp_path / "w"), "--corpus-only",
+                           "--max-files", "4", "--draft-chats", "5"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    edits = [json.loads(line)["text"] for line in (tmp_path / "w" / "edit_corpus.jsonl").read_text().splitlines()]
+    assert 0 < len(edits) <= 5 and all(make_demo.is_edit(text) for text in edits)
+    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["corpus.jsonl", "edit_corpus.jsonl"]

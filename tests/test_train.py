@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from dflash_mlx import tiny
 from dflash_mlx.api import load
@@ -375,3 +376,60 @@ def test_cli_trains_a_dflash2_draft_and_refuses_bad_shapes(setup, tmp_path):
     config = json.loads((tmp_path / "ok" / "config.json").read_text())
     assert config["architectures"] == ["DFlash2DraftModel"]
     assert {k: config["dflash_config"][k] for k in ("selector_rank", "selector_top_k")} == {"selector_rank": 8, "selector_top_k": 4}
+
+
+
+def test_a_trained_dflash_draft_becomes_the_dflash2_draft_that_wraps_it(setup, tmp_path):
+    """--from-draft with --arch dflash2: the DFlash draft's weights (stored in bfloat16, trained in
+    float32), identity convolutions and a selector that adds nothing, so the DFlash2 draft proposes
+    what the DFlash draft proposed; training runs from there; what cannot be is refused by name."""
+    from typer.testing import CliRunner
+
+    from dflash_mlx.cli import app
+    from dflash_mlx.models.dflash2 import DFlash2Draft
+    from dflash_mlx.train import DFlash2Shape, draft_from
+
+    _, target_dir, corpus, model, tokenizer = setup
+    target = model.target
+    config = tiny.draft_config(json.loads((target_dir / "config.json").read_text()), block_size=4, target_layer_ids=[0, 2])
+    start = tmp_path / "dflash"
+    tiny.write_draft(start, config, seed=5)
+    weights = mx.load(str(start / "model.safetensors"))
+    mx.save_safetensors(str(start / "model.safetensors"), {k: v.astype(mx.bfloat16) for k, v in weights.items()})
+    plain, _ = load_draft(start)
+    plain.set_dtype(mx.float32)
+    plain.bind(target)
+    wrapped, wrapped_config = draft_from(start, target, DFlash2Shape(**DFLASH2))
+    assert isinstance(wrapped, DFlash2Draft) and wrapped_config["architectures"] == ["DFlash2DraftModel"]
+    assert wrapped_config["dflash_config"]["target_layer_ids"] == [0, 2] and wrapped.block_size == 4
+    assert all(v.dtype == mx.float32 for _, v in tree_flatten(wrapped.parameters()))
+    prompt = mx.array(tokenizer.encode("class Stack:\n    def push(self, item):"))[None]
+    _, features = target.forward(prompt, taps=plain.target_layer_ids)
+    walks = []
+    for draft in (plain, wrapped):
+        cache = draft.make_cache()
+        draft.add_context(features, cache)
+        walks.append(draft.propose(mx.array([int(prompt[0, -1])] + [draft.mask_token_id] * 3), cache, Sampler())[0].tolist())
+    assert walks[0] == walks[1]
+
+    runner = CliRunner()
+    base = ["train-draft", "--model", str(target_dir), "--data", str(corpus), "--seq-len", "48", "--anchors", "4"]
+    dflash2 = ["--arch", "dflash2", "--selector-rank", "16", "--selector-top-k", "8"]
+    done = runner.invoke(app, base + dflash2 + ["--out", str(tmp_path / "d2"), "--from-draft", str(start), "--steps", "3"])
+    assert done.exit_code == 0, done.output
+    written = json.loads((tmp_path / "d2" / "config.json").read_text())
+    assert written["architectures"] == ["DFlash2DraftModel"] and written["dflash_config"]["target_layer_ids"] == [0, 2]
+    quantized = tmp_path / "quantized"  # what a converted --quant draft says of itself
+    quantized.mkdir()
+    (quantized / "config.json").write_text(json.dumps({**config, "quantization": {"group_size": 32, "bits": 4}}))
+    (quantized / "model.safetensors").symlink_to(start / "model.safetensors")
+    for extra, message in (
+        (["--from-draft", str(tmp_path / "d2")], "is a DFlash2 draft: train it with --arch dflash2"),
+        (dflash2 + ["--from-draft", str(quantized)], "is quantized: start from the unquantized draft"),
+        (dflash2 + ["--from-draft", str(start), "--layers", "3"], "--layers: the draft given with --from-draft decides its own shape"),
+        (dflash2 + ["--from-draft", str(start), "--resume"], "--from-draft starts a new run"),
+        (dflash2 + ["--from-draft", str(tmp_path / "nowhere")], f"--from-draft {tmp_path / 'nowhere'}"),
+    ):
+        bad = runner.invoke(app, base + ["--out", str(tmp_path / "x")] + extra)
+        assert bad.exit_code == 1 and message in bad.output, (extra, bad.output)
+        assert not (tmp_path / "x").exists()
