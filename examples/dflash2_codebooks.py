@@ -1,6 +1,6 @@
 """What quantizing a DFlash2 draft's selector codebooks costs in acceptance.
 
-    python examples/dflash2_codebooks.py --draft DFLASH2_DRAFT [--model demo] [--block 4] [--tokens 160]
+    python examples/dflash2_codebooks.py [--model demo] [--draft DFLASH2_DRAFT] [--block 4] [--tokens 160]
 
 The target answers the bench's prompts greedily; then, at every position of its answers, the
 draft proposes the block that starts there (its greedy walk, from the target's features of the
@@ -10,7 +10,8 @@ the draft's weights: acceptance without the noise of which cycles a run happened
 
 Rows: the codebooks as stored, at 8 and 4 bits (``--group-size``, 64), the draft's linear layers at 4 bits
 (``--draft-quant w4``) with the codebooks as stored and at 4 bits, and the selector switched off
-(the walk is the head's argmax: what the draft would propose as the DFlash draft it wraps).
+(the walk is the head's argmax: what the draft would propose as the DFlash draft it wraps). A
+DFlash draft gets the rows that apply to it (as stored, layers at 4 bits), for comparison.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def quantize_codebooks(draft: DFlash2Draft, bits: int, group_size: int = 64) -> 
 
 def settings(model, group_size: int):
     """(name, draft, whether the selector walks) for every row: the draft loaded afresh for each,
-    quantized as named, computing in the dtype ``load`` chose."""
+    quantized as named, computing in the dtype ``load`` chose. A DFlash draft (no selector) gets
+    the rows that apply to it, for comparison."""
     def variant(codebook_bits=None, body=None):
         draft, _ = load_draft(model.draft_path)
         draft.bind(model.target)
@@ -47,6 +49,10 @@ def settings(model, group_size: int):
             quantize_codebooks(draft, codebook_bits, group_size)
         return draft.compute_in(model.draft.activation_dtype)
 
+    if not isinstance(model.draft, DFlash2Draft):
+        yield "DFlash draft as stored", model.draft, False
+        yield "DFlash draft, layers w4", variant(body="w4"), False
+        return
     yield "codebooks as stored", model.draft, True
     yield "codebooks w8", variant(8), True
     yield "codebooks w4", variant(4), True
@@ -77,7 +83,8 @@ def accepted(walk: np.ndarray, sequence: np.ndarray, anchors: np.ndarray) -> np.
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="demo", help="Target (anything `load` takes).")
-    parser.add_argument("--draft", required=True, help="A DFlash2 draft for it (folder or repo id).")
+    parser.add_argument("--draft", help="A DFlash2 draft for it (folder or repo id; default: the demo's own draft with "
+                                        "--model demo); a DFlash one gets the rows that apply to it, for comparison.")
     parser.add_argument("--block", type=int, default=4, help="Block size the walks are scored at (<= the draft's).")
     parser.add_argument("--tokens", type=int, default=160, help="Tokens of each greedy answer.")
     parser.add_argument("--suites", default="edit,code,prose", help="Bench suites whose prompts to answer.")
@@ -85,12 +92,12 @@ def main():
     args = parser.parse_args()
     model, tokenizer = load(args.model, draft=args.draft)
     draft, target = model.draft, model.target
-    if not isinstance(draft, DFlash2Draft):
-        parser.error(f"--draft {args.draft} is a {draft.kind} draft, not a DFlash2 one")
+    if draft is None:
+        parser.error(f"--draft: {args.model} has no draft of its own")
     if not 2 <= args.block <= draft.block_size:
         parser.error(f"--block {args.block}: within 2..{draft.block_size} (the draft's block size)")
     rank = draft.args.selector_rank
-    if rank % args.group_size:
+    if isinstance(draft, DFlash2Draft) and rank % args.group_size:
         parser.error(f"--group-size {args.group_size} does not divide the codebooks' rank {rank}")
     prompts = [(suite, p) for suite in args.suites.split(",") for p in SUITES[suite]]
     answers = []

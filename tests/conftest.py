@@ -20,6 +20,23 @@ from dflash_mlx.models.dflash import DFlashDraft
 VOCAB = 512
 
 
+def spread_weights(model, stacked: bool = False):
+    """A transformers model's random weights made telling for a tiny model: non-trivial norms (so
+    that zero-centring matters), a spread embedding (fewer near-ties in tiny vocabularies) and
+    unit-gain matrices (``stacked``: expert stacks and convolution kernels too)."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("embed_tokens.weight"):
+                p.normal_(0, 0.5)
+            elif p.ndim == 2 or (stacked and p.ndim > 2):
+                p.normal_(0, p.shape[-1] ** -0.5)
+    return model
+
+
 def make_hf_target(
     path: Path, vocab_size: int = VOCAB, seed: int = 0, tie: bool = False, dtype: str = "float32", **overrides
 ) -> Path:
@@ -32,15 +49,7 @@ def make_hf_target(
     for key in ("architectures", "model_type", "dtype"):
         params.pop(key)
     torch.manual_seed(seed)
-    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**params)).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1 and "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)  # non-trivial norms, so zero-centring matters
-            elif name.endswith("embed_tokens.weight"):
-                p.normal_(0, 0.5)  # spread logits: fewer near-ties in tiny vocabularies
-            elif p.ndim == 2:
-                p.normal_(0, p.shape[1] ** -0.5)
+    model = spread_weights(Qwen3_5ForCausalLM(Qwen3_5TextConfig(**params)).float().eval())
     model.to(getattr(torch, dtype)).save_pretrained(str(path))
     return path
 
@@ -104,15 +113,7 @@ def make_hf_moe_target(path: Path, layout: str = "per_expert", vocab_size: int =
     params = moe_text_params(vocab_size, eos_token_id=eos, **overrides)
     params.pop("model_type")
     torch.manual_seed(seed)
-    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**params)).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1 and "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            elif name.endswith("embed_tokens.weight"):
-                p.normal_(0, 0.5)
-            elif p.ndim >= 2:
-                p.normal_(0, p.shape[-1] ** -0.5)
+    model = spread_weights(Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**params)).float().eval(), stacked=True)
     model.to(getattr(torch, dtype)).save_pretrained(str(path))
     if layout == "per_expert":
         return path

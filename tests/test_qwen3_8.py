@@ -14,6 +14,7 @@ from dflash_mlx import loading, tiny
 from dflash_mlx import speculative as loop
 from dflash_mlx.loading import CheckpointError, load_target
 from dflash_mlx.sampling import Sampler
+from tests.conftest import spread_weights
 from tests.test_lossless import assert_lossless, take
 from tests.test_target import PROMPT
 
@@ -43,15 +44,7 @@ def qwen3_8_dir(tmp_path_factory):
     config = Qwen3_5Config(text_config=text, vision_config=VISION, image_token_id=500, video_token_id=501,
                            vision_start_token_id=502, vision_end_token_id=503, tie_word_embeddings=False)
     torch.manual_seed(8)
-    model = Qwen3_5ForConditionalGeneration(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1 and "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            elif name.endswith("embed_tokens.weight"):
-                p.normal_(0, 0.5)
-            elif p.ndim == 2:
-                p.normal_(0, p.shape[1] ** -0.5)
+    model = spread_weights(Qwen3_5ForConditionalGeneration(config).float().eval())
     model.save_pretrained(str(path))
     weights = load_file(str(path / "model.safetensors"))
     weights["mtp.fc.weight"] = np.zeros((64, 128), np.float32)
