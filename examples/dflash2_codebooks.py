@@ -116,7 +116,9 @@ def main():
             row = rows.setdefault(name, {}).setdefault(suite, {"accepted": [], "changed": []})
             row["accepted"].extend(accepted(walk, np.array(sequence), np.array(anchors)).tolist())
             row["changed"].extend((walk != stored[index]).any(axis=1).tolist())
-    print(f"target {args.model}, draft {args.draft}, block {args.block}, {args.tokens}-token greedy answers")
+    positions = {suite: sum(int(a.size) for s, _, a in answers if s == suite) for suite in args.suites.split(",")}
+    print(f"target {args.model}, draft {args.draft or 'its own'}, block {args.block}, {args.tokens}-token greedy answers "
+          f"({', '.join(f'{suite}: {n} positions' for suite, n in positions.items())})")
     print("accepted drafted tokens per block, mean over every answer position (walks that differ from the stored codebooks')")
     suites = [s for s in args.suites.split(",")]
     print(f"| setting | {' | '.join(suites)} |")
