@@ -38,7 +38,7 @@ def multimodal(text_dir: Path, out: Path) -> Path:
               "text_config": {**text, "model_type": "qwen3_5_text"}, "vision_config": {"depth": 1},
               "tie_word_embeddings": text.get("tie_word_embeddings", False)}
     (out / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (text_dir / name).exists():
             (out / name).write_text((text_dir / name).read_text())
     return out

@@ -83,6 +83,19 @@ def pair(tmp_path_factory, hf_target_dir, target_config):
 
 
 @pytest.fixture(scope="module")
+def quantized_pair(tmp_path_factory, pair):
+    """The dense target as mlx-lm's converter writes it with its mixed 4/6-bit recipe: per-layer
+    overrides keyed by the checkpoint's own paths, which a rank must renumber with its layers."""
+    from tests.test_mlx_layouts import mlx_lm_convert, multimodal
+
+    source = multimodal(pair[0], tmp_path_factory.mktemp("pipeline_multimodal"))
+    target = mlx_lm_convert(source, tmp_path_factory.mktemp("pipeline_mixed") / "target", "mixed_4_6", moe=False)
+    quantization = json.loads((target / "config.json").read_text())["quantization"]
+    assert quantization["language_model.model.layers.3.mlp.down_proj"]["bits"] == 6  # on the last rank, as its layer 1
+    return target, pair[1]
+
+
+@pytest.fixture(scope="module")
 def moe_pair(tmp_path_factory):
     """A mixture-of-experts target in the published release's layout (fused experts, multimodal
     config) and a draft reading all of its layers."""
@@ -160,7 +173,10 @@ def test_pipelined_answers_equal_one_process_and_caches_hold_the_committed_token
         assert max(differences) < 2e-5, f"rank {rank}: caches differ from direct feeding by {max(differences)}"
 
 
-def test_generate_under_mlx_launch_prints_what_one_process_prints(tmp_path, pair):
+def test_generate_under_mlx_launch_prints_what_one_process_prints(tmp_path, quantized_pair):
+    """mlx.launch itself, on a quantized target (mlx-lm's mixed 4/6 bits: the last rank's layers
+    carry overrides under their global numbers)."""
+    pair = quantized_pair
     args = ["generate", "--model", str(pair[0]), "--draft", str(pair[1]), "--prompt", "def add(a, b):",
             "--max-tokens", "24", "--block-tokens", "4", "--json"]
     cli = [sys.executable, "-m", "dflash_mlx.cli"]
@@ -175,8 +191,9 @@ def test_generate_under_mlx_launch_prints_what_one_process_prints(tmp_path, pair
     assert len(records) == 1, f"only rank 0 prints: {launched.stdout!r}"
     assert records[0]["tokens"] == alone
     assert records[0]["draft"] == "DFlash"
-    # Each rank says what it holds (the tiny target has 6 layers; the last rank also the head and draft).
+    # Each rank says what it holds (the last rank also the head and the draft).
     assert "rank 0 of 2: layers 0-" in launched.stderr and "with the embedding, the head, the draft" in launched.stderr
+    assert "rank 1 of 2: layers 2-3" in launched.stderr or "rank 1 of 2: layers 3-3" in launched.stderr
 
 
 def test_serve_behind_rank_0(tmp_path, pair):
