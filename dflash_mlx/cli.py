@@ -476,7 +476,7 @@ def train_draft_command(
     conv_group_size: Annotated[int, typer.Option("--conv-group-size", help="DFlash2: channels sharing one dynamic kernel (must divide the hidden size).")] = 16,
     selector_rank: Annotated[int, typer.Option("--selector-rank", help="DFlash2: rank of the selector's codebooks (each holds a row per vocabulary token).")] = 256,
     selector_top_k: Annotated[int, typer.Option("--selector-top-k", help="DFlash2: candidates per slot the selector chooses among.")] = 16,
-    from_draft: Annotated[Optional[str], typer.Option("--from-draft", help="Start from this trained draft for the target (folder, Hugging Face repo id, or 'demo') instead of a new one; its layers, taps, block size and mask are kept. With --arch dflash2 a DFlash draft becomes the DFlash2 draft that wraps it.")] = None,
+    from_draft: Annotated[Optional[str], typer.Option("--from-draft", help="Start from this trained draft for the target (folder, Hugging Face repo id, or 'demo') instead of a new one; its layers, taps, block size and mask (and a DFlash2 draft's convolutions and selector) are kept. With --arch dflash2 a DFlash draft becomes the DFlash2 draft that wraps it, of the --conv-*/--selector-* shape.")] = None,
 ) -> None:
     """Train a DFlash (or DFlash2) draft for a target (block-diffusion objective, target frozen)."""
     from rich.progress import (
