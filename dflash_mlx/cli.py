@@ -451,6 +451,7 @@ def doctor(
 
 @app.command("train-draft")
 def train_draft_command(
+    context: typer.Context,
     model: Annotated[str, typer.Option("--model", "-m", help="Target to train a draft for (anything `load` accepts).")],
     data: Annotated[List[Path], typer.Option("--data", help="Training text: .txt/.py/... files, or .jsonl with a 'text' field per line (repeatable).")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Output folder: the draft in z-lab's layout (+ training_state/ for --resume).")],
@@ -509,9 +510,9 @@ def train_draft_command(
     if from_draft is not None:
         if resume:
             _fail("--from-draft starts a new run; --resume continues the one in --out: give one of them")
-        shaped = [flag for flag, given in (("--layers", layers != 2), ("--taps", bool(taps)), ("--block-size", block_size != 8),
-                                           ("--mask-token-id", mask_token_id is not None), ("--block-only-layers", block_only_layers != 0),
-                                           ("--causal", causal), ("--init", init != "random")) if given]
+        shaped = [f"--{name.replace('_', '-')}" for name in ("layers", "taps", "block_size", "mask_token_id",
+                                                             "block_only_layers", "causal", "init")
+                  if context.get_parameter_source(name).name != "DEFAULT"]
         if shaped:
             _fail(f"{shaped[0]}: the draft given with --from-draft decides its own shape")
         from .defaults import DEMO, demo

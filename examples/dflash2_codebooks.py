@@ -17,6 +17,7 @@ DFlash draft gets the rows that apply to it (as stored, layers at 4 bits), for c
 from __future__ import annotations
 
 import argparse
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -61,9 +62,9 @@ def settings(model, group_size: int):
     yield "selector off (head argmax)", model.draft, False
 
 
-def walks(draft, target, sequence: mx.array, anchors: mx.array, selector: bool) -> np.ndarray:
-    """Greedy walks [anchors, B-1] of the blocks at ``anchors`` of ``sequence``."""
-    _, features = target.forward(sequence[None], taps=draft.target_layer_ids)
+def walks(draft, features: mx.array, sequence: mx.array, anchors: mx.array, selector: bool) -> np.ndarray:
+    """Greedy walks [anchors, B-1] of the blocks at ``anchors`` of ``sequence``, whose target
+    features (the draft's taps) are ``features``."""
     if draft.activation_dtype is not None:  # as add_context casts them
         features = features.astype(draft.activation_dtype)
     hidden = block_hidden(draft, features, sequence, anchors)
@@ -99,28 +100,28 @@ def main():
     rank = draft.args.selector_rank
     if isinstance(draft, DFlash2Draft) and rank % args.group_size:
         parser.error(f"--group-size {args.group_size} does not divide the codebooks' rank {rank}")
-    prompts = [(suite, p) for suite in args.suites.split(",") for p in SUITES[suite]]
+    suites = args.suites.split(",")
     answers = []
-    for suite, prompt in prompts:  # the target's greedy answers: every setting is scored on them
+    for suite, prompt in ((suite, p) for suite in suites for p in SUITES[suite]):
+        # The target's greedy answer and its features: every setting is scored on them.
         ids = encode_prompt(tokenizer, [{"role": "user", "content": prompt}])
         commits = target_only(target, ids, Sampler(), max_tokens=args.tokens, stop_tokens=tokenizer.eos_token_ids)
-        answer = [t for c in commits for t in c.tokens]
-        sequence = mx.concatenate([ids, mx.array(answer, dtype=ids.dtype)])
-        answers.append((suite, sequence, mx.arange(ids.size - 1, sequence.size - args.block + 1)))
+        sequence = mx.concatenate([ids, mx.array([t for c in commits for t in c.tokens], dtype=ids.dtype)])
+        _, features = target.forward(sequence[None], taps=draft.target_layer_ids)
+        answers.append((suite, sequence, features, mx.arange(ids.size - 1, sequence.size - args.block + 1)))
     rows, stored = {}, {}
     for name, variant, selector in settings(model, args.group_size):
         variant.args.block_size = args.block  # walks of that length (slot 0 is the anchor)
-        for index, (suite, sequence, anchors) in enumerate(answers):
-            walk = walks(variant, target, sequence, anchors, selector)
+        for index, (suite, sequence, features, anchors) in enumerate(answers):
+            walk = walks(variant, features, sequence, anchors, selector)
             stored.setdefault(index, walk)  # the first row's: the codebooks as stored
             row = rows.setdefault(name, {}).setdefault(suite, {"accepted": [], "changed": []})
             row["accepted"].extend(accepted(walk, np.array(sequence), np.array(anchors)).tolist())
             row["changed"].extend((walk != stored[index]).any(axis=1).tolist())
-    positions = {suite: sum(int(a.size) for s, _, a in answers if s == suite) for suite in args.suites.split(",")}
+    positions = {suite: sum(int(a.size) for s, _, _, a in answers if s == suite) for suite in suites}
     print(f"target {args.model}, draft {args.draft or 'its own'}, block {args.block}, {args.tokens}-token greedy answers "
           f"({', '.join(f'{suite}: {n} positions' for suite, n in positions.items())})")
     print("accepted drafted tokens per block, mean over every answer position (walks that differ from the stored codebooks')")
-    suites = [s for s in args.suites.split(",")]
     print(f"| setting | {' | '.join(suites)} |")
     print(f"|---|{'---:|' * len(suites)}")
     for name, per_suite in rows.items():

@@ -91,7 +91,7 @@ def quantized_pair(tmp_path_factory, pair):
     source = multimodal(pair[0], tmp_path_factory.mktemp("pipeline_multimodal"))
     target = mlx_lm_convert(source, tmp_path_factory.mktemp("pipeline_mixed") / "target", "mixed_4_6", moe=False)
     quantization = json.loads((target / "config.json").read_text())["quantization"]
-    assert quantization["language_model.model.layers.3.mlp.down_proj"]["bits"] == 6  # on the last rank, as its layer 1
+    assert quantization["language_model.model.layers.3.mlp.down_proj"]["bits"] == 6  # on the last rank, renumbered
     return target, pair[1]
 
 

@@ -378,7 +378,6 @@ def test_cli_trains_a_dflash2_draft_and_refuses_bad_shapes(setup, tmp_path):
     assert {k: config["dflash_config"][k] for k in ("selector_rank", "selector_top_k")} == {"selector_rank": 8, "selector_top_k": 4}
 
 
-
 def test_a_trained_dflash_draft_becomes_the_dflash2_draft_that_wraps_it(setup, tmp_path):
     """--from-draft with --arch dflash2: the DFlash draft's weights (stored in bfloat16, trained in
     float32), identity convolutions and a selector that adds nothing, so the DFlash2 draft proposes
