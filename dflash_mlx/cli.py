@@ -375,9 +375,7 @@ def serve(
     peer_timeout: PeerTimeout = 30.0,
 ) -> None:
     """Serve an OpenAI-compatible API (chat, completions with FIM, models, health, metrics)."""
-    import uvicorn
-
-    from .server import create_app
+    from .server import create_app, serve as run_server
 
     if prompt_cache_gb < 0:
         _fail(f"--prompt-cache-gb must not be negative (got {prompt_cache_gb})")
@@ -390,9 +388,7 @@ def serve(
             max_request_bytes=max_request_bytes, block_tokens=block_tokens, prompt_cache_bytes=int(prompt_cache_gb * 1e9),
         )
         typer.secho(f"serving {name!r} on http://{host}:{port}/v1", err=True)
-        # Ctrl-C: uvicorn closes the connections, which cancels their generations at the next step;
-        # whatever still holds on after a second is cancelled outright.
-        uvicorn.run(app_, host=host, port=port, log_level="warning", timeout_graceful_shutdown=1)
+        run_server(app_, host, port)
 
 
 @app.command()

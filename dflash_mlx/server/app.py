@@ -1,6 +1,6 @@
 """The app: one engine, the protocols' routers (OpenAI's chat and Responses, Anthropic's Messages),
-and what they share
-(errors in the client's protocol's shape, API key, body limit, health, metrics)."""
+and what they share (errors in the client's protocol's shape, API key, body limit, health,
+metrics); ``serve`` runs it on uvicorn."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import hmac
 from contextlib import asynccontextmanager
 from typing import Optional, Union
 
+import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -144,7 +145,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        engine.cancel_all()  # Ctrl-C: whatever a closed connection did not cancel stops now
+        await engine.stop()  # nothing may be generating while the process exits
 
     app = FastAPI(title="dflash-mlx", description="OpenAI-compatible API with DFlash speculative decoding.",
                   lifespan=lifespan)
@@ -158,3 +159,26 @@ def create_app(
     app.include_router(anthropic.router, dependencies=[Depends(authorize)])
     app.include_router(responses.router, dependencies=[Depends(authorize)])
     return app
+
+
+class StoppingServer(uvicorn.Server):
+    """uvicorn's server, cancelling the generations as soon as it begins to stop (Ctrl-C, SIGTERM):
+    their clients get a 503 at once, instead of a connection cut after the graceful wait."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine):
+        super().__init__(config)
+        self.engine = engine
+
+    async def shutdown(self, sockets=None) -> None:
+        self.engine.cancel_all()
+        await super().shutdown(sockets)
+
+
+def serve(app: FastAPI, host: str, port: int) -> None:
+    """Run the app until Ctrl-C or SIGTERM, then return. Answers still open a second after the
+    generations were cancelled are cut."""
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=1)
+    try:
+        StoppingServer(config, app.state.engine).run()
+    except KeyboardInterrupt:  # uvicorn hands Ctrl-C on once it has stopped: a server's normal end
+        pass

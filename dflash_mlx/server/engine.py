@@ -3,6 +3,12 @@
 The worker owns the prompt caches (a ``PromptCachePool``: editors resend the same long context,
 chat clients and completion clients alternate), so nothing there needs a lock. A job is
 cancelled by setting its event: between prefill chunks and at the next committed step.
+
+The worker is a daemon that is never joined: at exit it is left parked on its queue. A thread
+that ends runs MLX's thread-local compile-cache destructor, which takes the GIL; when that
+happens after the interpreter began finalizing, the process aborts (``terminate called without
+an active exception``). So stopping means cancelling every job and waiting for the worker to be
+idle (``Engine.stop``), not ending the thread.
 """
 
 from __future__ import annotations
@@ -10,10 +16,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import queue
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Union
 
@@ -102,9 +108,18 @@ class Job:
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # Why the server cancelled it (told to the client as a 503); None: the client went away.
+    cancel_reason: Optional[str] = None
+
+    def cancel(self, reason: Optional[str] = None) -> None:
+        self.cancel_reason = self.cancel_reason or reason
+        self.cancelled.set()
 
     def emit(self, kind: str, payload=None) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, payload))
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, payload))
+        except RuntimeError:  # the event loop is closed (the server stopped): nobody is listening
+            pass
 
 
 class Engine:
@@ -116,7 +131,8 @@ class Engine:
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.context_limit = context_limit if context_limit is not None else model_context_length(model)
         self.max_tokens_cap, self.block_tokens = max_tokens_cap, block_tokens
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-generate")
+        self.pending: "queue.SimpleQueue[Job]" = queue.SimpleQueue()
+        threading.Thread(target=self._work, name="dflash-generate", daemon=True).start()
         # A pipelined target's caches live on every rank: none are kept between requests.
         self.prompt_caches = PromptCachePool(prompt_cache_bytes if model.pipeline is None else 0)
         self.jobs: set = set()  # submitted and not done
@@ -152,40 +168,54 @@ class Engine:
         job = Job(prompt, {"block_tokens": self.block_tokens, **options}, asyncio.Queue(), asyncio.get_running_loop())
         self.metrics.count("queued")
         self.jobs.add(job)
-        self.worker.submit(self._run, job)
+        self.pending.put(job)
         return job
 
-    def cancel_all(self) -> None:
-        """Cancel every queued and running generation (the server is stopping: the worker thread,
-        which the interpreter waits for at exit, then stops at its next step)."""
+    def cancel_all(self, reason: str = "the server is shutting down") -> None:
+        """Cancel every queued and running generation; their clients get a 503 saying ``reason``."""
         for job in list(self.jobs):
-            job.cancelled.set()
+            job.cancel(reason)
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Cancel everything and wait (up to ``timeout`` seconds) until the worker is idle, so that
+        nothing is generating while the process exits. A step in flight finishes first."""
+        self.cancel_all()
+        deadline = time.monotonic() + timeout
+        while self.jobs and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self.jobs:
+            LOG.warning("a generation was still running %.0f s after the server began to stop", timeout)
+
+    def _work(self) -> None:
+        while True:
+            self._run(self.pending.get())
 
     def _run(self, job: Job) -> None:
         last = None
         try:
-            if job.cancelled.is_set():
-                return
-            pool = self.prompt_caches if self.model.pipeline is None else None
-            stream = stream_generate(self.model, self.tokenizer, job.prompt, prompt_cache=pool,
-                                     cancelled=job.cancelled.is_set, **job.options)
-            for last in stream:
-                if job.cancelled.is_set():
-                    stream.close()
-                    break
-                job.emit("token", last)
+            if not job.cancelled.is_set():  # else cancelled while it waited
+                pool = self.prompt_caches if self.model.pipeline is None else None
+                stream = stream_generate(self.model, self.tokenizer, job.prompt, prompt_cache=pool,
+                                         cancelled=job.cancelled.is_set, **job.options)
+                for last in stream:
+                    if job.cancelled.is_set():
+                        stream.close()
+                        break
+                    job.emit("token", last)
             if job.cancelled.is_set():
                 self.metrics.count("cancelled")
+                if job.cancel_reason is not None:
+                    job.emit("error", (503, job.cancel_reason))
             elif last is not None:
                 self.metrics.add(last)
         except PeerLost as e:  # a pipelined target lost a rank: nothing more can be served
             self.metrics.count("errors")
-            job.emit("error", str(e))
+            job.emit("error", (500, str(e)))
             _stop_process(str(e))
         except Exception as e:  # reported to the client as a 500, logged in full here
             LOG.exception("generation failed")
             self.metrics.count("errors")
-            job.emit("error", f"{type(e).__name__}: {e}")
+            job.emit("error", (500, f"{type(e).__name__}: {e}"))
         finally:
             self.metrics.prompt_cache_bytes = self.prompt_caches.nbytes
             self.metrics.prompt_cache_histories = len(self.prompt_caches.histories)
@@ -210,14 +240,14 @@ def current_engine(request: Request) -> Engine:
 
 
 async def job_events(job: Job, failure_kind: str = "server_error"):
-    """A job's ``token`` and ``done`` events as the worker sends them; an ``error`` becomes a 500
-    (``failure_kind`` in the protocol's words). Leaving the loop (a client gone, or the end)
-    cancels the job."""
+    """A job's ``token`` and ``done`` events as the worker sends them; an ``error`` becomes an
+    ``APIError`` (a 500, or a 503 when the server is stopping; ``failure_kind`` in the protocol's
+    words). Leaving the loop (a client gone, or the end) cancels the job."""
     try:
         while True:
             kind, payload = await job.queue.get()
             if kind == "error":
-                raise APIError(500, payload, failure_kind)
+                raise APIError(*payload, failure_kind)
             yield kind, payload
             if kind == "done":
                 return
