@@ -4,7 +4,9 @@ The target is loaded the way it runs on an Apple GPU: its Gated DeltaNet layers 
 ``metal`` recurrence mode, every recurrence and replay dispatched by ``kernels.MetalKernels``
 through ``mx.fast.metal_kernel``'s signature, here the emulator's stand-in (the shipped ``.metal``
 sources compiled as C++). The lossless tests run on that path for float32 and bfloat16
-checkpoints; mutated kernels make them fail; a kernel that fails its self-check falls back.
+checkpoints (each test on one: the kernels' dtypes are compared with the reference one by one in
+``test_kernels``; bfloat16 where outputs are checked, float32 where caches are compared to a tight
+tolerance); mutated kernels make them fail; a kernel that fails its self-check falls back.
 """
 
 from __future__ import annotations
@@ -41,7 +43,11 @@ def emulated_recurrence(sources=None, self_check=True, schedule=LOWEST_FIRST) ->
     return kernels.Recurrence(metal=kernels.MetalKernels(EmulatedMetal(schedule, sources), self_check=self_check))
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+BFLOAT16 = pytest.mark.parametrize("checkpoint", ["bfloat16"], indirect=True)
+FLOAT32 = pytest.mark.parametrize("checkpoint", ["float32"], indirect=True)
+
+
+@pytest.fixture(scope="module")
 def checkpoint(request, tmp_path_factory):
     return make_hf_target(tmp_path_factory.mktemp(f"mac_target_{request.param}"), dtype=request.param)
 
@@ -71,6 +77,7 @@ def check_greedy_lossless(target, draft, prompts, blocks, n=20):
             assert_lossless(target, prompt, expected, got)
 
 
+@BFLOAT16
 def test_greedy_is_lossless_on_the_emulated_metal_path(mac_pair, prompts):
     target, draft, _ = mac_pair
     check_greedy_lossless(target, draft, prompts, [2, 4, 8])
@@ -78,6 +85,7 @@ def test_greedy_is_lossless_on_the_emulated_metal_path(mac_pair, prompts):
     assert report and set(report.values()) == {"ok"}, report  # the kernels ran; none fell back
 
 
+@FLOAT32
 def test_changing_blocks_are_lossless_on_the_emulated_metal_path(mac_pair, prompts):
     """Sizes chosen per cycle (scripted through 1 with shadows, and the auto controller): greedy
     output, and the caches after every cycle, as the target alone gives them."""
@@ -117,11 +125,13 @@ def check_every_acceptance_length(target, prompts, block=4):
     return seen
 
 
+@BFLOAT16
 def test_every_acceptance_length_is_lossless_on_the_emulated_metal_path(mac_pair, prompts):
     target, _, _ = mac_pair
     assert check_every_acceptance_length(target, prompts) == set(range(4))
 
 
+@FLOAT32
 def test_rollback_state_on_the_emulated_metal_path(mac_pair, prompts):
     """Wherever a stream stops, the caches equal those of feeding the committed tokens directly."""
     target, _, config = mac_pair
@@ -137,13 +147,15 @@ def test_rollback_state_on_the_emulated_metal_path(mac_pair, prompts):
 
 def test_sampling_follows_the_target_on_the_emulated_metal_path(tmp_path_factory):
     """The chi-square test of test_sampling, on a small-vocabulary pair with small heads (the
-    emulator runs every GPU thread: 256 of them per call here)."""
+    emulator runs every GPU thread: 256 of them per call here). A quarter of the rule's samples:
+    this path differs from the CPU one only in the target's recurrence, whose outputs and states
+    the greedy and rollback tests above check exactly (p = 0.02, 0.65, 0.02 for seeds 0, 1, 2)."""
     heads = dict(linear_num_key_heads=1, linear_num_value_heads=2, linear_value_head_dim=4)
     path = make_hf_target(tmp_path_factory.mktemp("mac_small"), vocab_size=test_sampling.V, seed=11, **heads)
     target, config = load_target(path, recurrence=emulated_recurrence())
     draft = make_draft(tmp_path_factory.mktemp("mac_small_draft"), target, config, block_size=4, seed=12)
     sampler = test_sampling.SAMPLERS[1]
-    counts = test_sampling.sampled_joint(target, draft, sampler, seed=0, samples=test_sampling.SAMPLES // 2)
+    counts = test_sampling.sampled_joint(target, draft, sampler, seed=0, samples=test_sampling.SAMPLES // 4)
     pvalue = test_sampling.goodness_of_fit(counts, test_sampling.exact_joint(target, sampler))
     assert pvalue > 1e-3, f"speculative samples on the Metal path do not follow the target (p={pvalue:.2g})"
     assert set(kernels_used(target).values()) == {"ok"}

@@ -175,7 +175,7 @@ def references(moe, prompts):
     return [take(target_only(moe[0], p, GREEDY), 24)[0] for p in prompts]
 
 
-@pytest.mark.parametrize("block", [2, 4, 8, 16])
+@pytest.mark.parametrize("block", [4, 16])  # every block size, with every acceptance length: below
 def test_moe_greedy_is_lossless(moe_pair, prompts, references, block):
     target, draft = moe_pair
     for prompt, expected in zip(prompts, references):
