@@ -159,7 +159,8 @@ class GeneratedKernel:
             + self.cpp_kernel
             + "\nextern \"C\" void emu_launch(void** buffers, const unsigned* dims, int schedule) {\n"
             + "  emu::dispatch({dims[0], dims[1], dims[2]}, {dims[3], dims[4], dims[5]}, schedule,\n"
-            + f"      [&](const emu::Thread& t) {{\n      {self.call}(\n        {joined});\n      }});\n}}\n"
+            + "      [](const emu::Thread& t, void* context) {\n      void** buffers = static_cast<void**>(context);\n"
+            + f"      {self.call}(\n        {joined});\n      }}, buffers);\n}}\n"
         )
 
 
@@ -183,7 +184,7 @@ _LIBRARIES: Dict[str, ctypes.CDLL] = {}
 def _build_dir() -> Path:
     """Where built kernels are kept, shared by processes (pytest's workers) and runs: named by the
     shim's and the flags' hash, each library by its translation unit's, so nothing stale is reused."""
-    shim = (HERE / "metal_shim.h").read_bytes()
+    shim = (HERE / "metal_shim.h").read_bytes() + (HERE / "metal_runtime.cpp").read_bytes()
     version = hashlib.sha256(shim + " ".join(_FLAGS).encode()).hexdigest()[:16]
     folder = Path(tempfile.gettempdir()) / f"dflash-metal-emu-{os.getuid()}" / version
     folder.mkdir(parents=True, exist_ok=True)
@@ -204,13 +205,20 @@ def _compile(command: List[str]) -> None:
         raise MetalCompileError(f"Unable to build metal library from source:\n{done.stderr}")
 
 
+RUNTIME = "libmetal_runtime.so"
+
+
 def _precompiled_shim(folder: Path) -> Path:
-    """The shim as a precompiled header (halves each kernel's compile time)."""
+    """The shim as a precompiled header (halves each kernel's compile time), and the scheduler's
+    library every kernel links to (built once, not in every kernel)."""
     header = folder / "metal_shim.h"
     if not (folder / "metal_shim.h.gch").exists():
         _publish(lambda p: shutil.copyfile(HERE / "metal_shim.h", p), header)
         _publish(lambda p: _compile([compiler(), *_FLAGS, "-x", "c++-header",
                                      str(header), "-o", str(p)]), folder / "metal_shim.h.gch")
+    if not (folder / RUNTIME).exists():
+        _publish(lambda p: _compile([compiler(), *_FLAGS, "-shared", f"-I{folder}", str(HERE / "metal_runtime.cpp"),
+                                     "-o", str(p)]), folder / RUNTIME)
     return folder
 
 
@@ -229,7 +237,7 @@ def build(text: str) -> ctypes.CDLL:
         _publish(lambda p: p.write_text(text), source)
         include = _precompiled_shim(folder)
         _publish(lambda p: _compile([compiler(), *_FLAGS, "-shared", "-Winvalid-pch", f"-I{include}", str(source),
-                                     "-o", str(p)]), library)
+                                     str(include / RUNTIME), f"-Wl,-rpath,{include}", "-o", str(p)]), library)
     _LIBRARIES[key] = ctypes.CDLL(str(library))
     return _LIBRARIES[key]
 
