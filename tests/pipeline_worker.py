@@ -2,7 +2,7 @@
 MLX_HOSTFILE): ``python tests/pipeline_worker.py SPEC OUT``.
 
 SPEC (JSON): ``target``, ``draft``, ``peer_timeout``, ``stages`` (rank -> ``--stages``),
-``forever`` and ``runs``, each with
+``emulated_metal`` (the Metal kernels' emulator on every rank), ``forever`` and ``runs``, each with
 ``prompt``, ``max_tokens``, ``block_tokens``, ``temp``, ``seed``, optionally ``prefill_step_size`` and ``oracle``
 (``sequence``, ``block``, ``schedule``: the last rank drafts with tests' ``OracleDraft``) and
 ``sequence`` (the prompt and its greedy continuation: every rank then compares its caches with
@@ -52,6 +52,11 @@ def main(spec_path: str, out: str) -> int:
                                        stages=stages)
     pipeline = model.pipeline
     full_target, _ = load_target(Path(spec["target"]))
+    if spec.get("emulated_metal"):  # every rank runs the Gated DeltaNet kernels a Mac runs, emulated
+        from tests.test_emulated_metal import emulated_recurrence
+
+        model.target.use_recurrence(emulated_recurrence())
+        full_target.use_recurrence(emulated_recurrence())
     real_draft = model.draft
     answers, differences = [], []
     while True:
@@ -74,6 +79,9 @@ def main(spec_path: str, out: str) -> int:
     if pipeline.drives:
         Path(out, "answers.json").write_text(json.dumps(answers))
     Path(out, f"caches-{pipeline.rank}.json").write_text(json.dumps(differences))
+    if spec.get("emulated_metal"):
+        recurrence = next(l.linear_attn.recurrence for l in model.target.layers if l.is_linear)
+        Path(out, f"kernels-{pipeline.rank}.json").write_text(json.dumps(recurrence.metal.report()))
     return 0
 
 

@@ -108,18 +108,23 @@ def moe_pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def spec_and_answers(request):
-    """The runs every pipelined world repeats, and what one process answers to each (per pair)."""
+    """The runs every pipelined world repeats, and what one process answers to each (per pair,
+    and path: ``emulated`` runs the Metal kernels' emulator, in that process and on every rank)."""
     built = {}
 
-    def build(pair_name: str):
-        if pair_name not in built:
-            built[pair_name] = _spec_and_answers(request.getfixturevalue(pair_name))
-        return built[pair_name]
+    def build(pair_name: str, emulated: bool = False):
+        if (pair_name, emulated) not in built:
+            built[pair_name, emulated] = _spec_and_answers(request.getfixturevalue(pair_name), emulated)
+        return built[pair_name, emulated]
     return build
 
 
-def _spec_and_answers(pair):
+def _spec_and_answers(pair, emulated: bool = False):
     model, tokenizer = dflash_mlx.load(str(pair[0]), draft=str(pair[1]))
+    if emulated:
+        from tests.test_emulated_metal import emulated_recurrence
+
+        model.target.use_recurrence(emulated_recurrence())
     prompts = [p.tolist() for p in random_prompts(2, VOCAB, seed=5)]
 
     def answer(prompt, max_tokens, block_tokens, temp=0.0, seed=None, prefill_step_size=512):
@@ -128,36 +133,41 @@ def _spec_and_answers(pair):
                                                             prefill_step_size=prefill_step_size)]
 
     runs = []
-    for prompt in prompts:
+    for prompt in prompts[: 1 if emulated else 2]:  # the emulator is slow: the emulated path runs fewer
         greedy = prompt + answer(prompt, 40, 1)
-        for block in ("4", "auto", "1"):
+        for block in ("4",) if emulated else ("4", "auto", "1"):
             runs.append(dict(prompt=prompt, max_tokens=16, block_tokens=block, temp=0.0, seed=None, sequence=greedy))
-    # The prefill chunked through the pipeline: 13 tokens, then 1 (a chunk that looks like a decode step).
-    assert len(prompts[0]) == 14
-    runs.append(dict(prompt=prompts[0], max_tokens=8, block_tokens="4", temp=0.0, seed=None, prefill_step_size=13,
-                     sequence=prompts[0] + answer(prompts[0], 40, 1)))
-    for seed in (3, 4):
-        runs.append(dict(prompt=prompts[0], max_tokens=12, block_tokens="4", temp=1.0, seed=seed))
+    if not emulated:
+        # The prefill chunked through the pipeline: 13 tokens, then 1 (a chunk that looks like a decode step).
+        assert len(prompts[0]) == 14
+        runs.append(dict(prompt=prompts[0], max_tokens=8, block_tokens="4", temp=0.0, seed=None, prefill_step_size=13,
+                         sequence=prompts[0] + answer(prompts[0], 40, 1)))
+        for seed in (3, 4):
+            runs.append(dict(prompt=prompts[0], max_tokens=12, block_tokens="4", temp=1.0, seed=seed))
     # The oracle drafts the greedy continuation, wrong at a scheduled slot: every acceptance length
     # 0..3 in turn; stopping after 1..12 tokens checks the caches after every cycle.
     greedy = prompts[1] + answer(prompts[1], 40, 1)
     oracle = dict(sequence=greedy, block=4, schedule=[0, 1, 2, 3, 3, 1])
-    for max_tokens in range(1, 13):
+    for max_tokens in (3, 6, 9) if emulated else range(1, 13):
         runs.append(dict(prompt=prompts[1], max_tokens=max_tokens, block_tokens="4", temp=0.0, seed=None,
                          oracle=oracle, sequence=greedy))
     expected = [greedy[len(prompts[1]):][: r["max_tokens"]] if r.get("oracle") else
                 answer(r["prompt"], r["max_tokens"], r["block_tokens"], r["temp"], r["seed"], r.get("prefill_step_size", 512))
                 for r in runs]
-    spec = dict(target=str(pair[0]), draft=str(pair[1]), runs=runs)
+    spec = dict(target=str(pair[0]), draft=str(pair[1]), runs=runs, emulated_metal=emulated)
+    if emulated:  # both ranks hold Gated DeltaNet layers (the tiny target's 4th is attention)
+        spec["stages"] = {"0": "2,2", "1": "2,2"}
     return spec, expected
 
 
-@pytest.mark.parametrize("ranks,pair_name", [(3, "pair"), (2, "moe_pair")])
+@pytest.mark.parametrize("ranks,pair_name,emulated", [(3, "pair", False), (2, "moe_pair", False), (2, "pair", True)],
+                         ids=["3-dense", "2-moe", "2-dense-emulated-metal"])
 def test_pipelined_answers_equal_one_process_and_caches_hold_the_committed_tokens(tmp_path, spec_and_answers, ranks,
-                                                                                   pair_name):
+                                                                                   pair_name, emulated):
     """The dense target over 3 ranks (a middle rank relays); the mixture of experts over 2 (its
-    draft's taps out of order). The CLI and server tests below run the dense one over 2."""
-    spec, expected = spec_and_answers(pair_name)
+    draft's taps out of order); the dense one over 2 on the path a Mac runs (the Gated DeltaNet
+    kernels, emulated, on every rank: verify, tape and replay)."""
+    spec, expected = spec_and_answers(pair_name, emulated)
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     results = finish(launch(tmp_path, ranks, WORKER + [str(tmp_path / "spec.json"), str(tmp_path)]))
     for rank, (code, _, err) in enumerate(results):
@@ -171,6 +181,9 @@ def test_pipelined_answers_equal_one_process_and_caches_hold_the_committed_token
         differences = json.loads((tmp_path / f"caches-{rank}.json").read_text())
         assert len(differences) == len(checked)
         assert max(differences) < 2e-5, f"rank {rank}: caches differ from direct feeding by {max(differences)}"
+        if emulated:  # the kernels ran on every rank; none fell back
+            report = json.loads((tmp_path / f"kernels-{rank}.json").read_text())
+            assert report and set(report.values()) == {"ok"}, (rank, report)
 
 
 def test_generate_under_mlx_launch_prints_what_one_process_prints(tmp_path, quantized_pair):
