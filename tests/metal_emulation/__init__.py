@@ -208,7 +208,7 @@ def _compile(command: List[str]) -> None:
 RUNTIME = "libmetal_runtime.so"
 
 
-def _precompiled_shim(folder: Path) -> Path:
+def _shim_and_runtime(folder: Path) -> Path:
     """The shim as a precompiled header (halves each kernel's compile time), and the scheduler's
     library every kernel links to (built once, not in every kernel)."""
     header = folder / "metal_shim.h"
@@ -235,7 +235,7 @@ def build(text: str) -> ctypes.CDLL:
     if not library.exists():
         source = folder / f"{key}.cpp"
         _publish(lambda p: p.write_text(text), source)
-        include = _precompiled_shim(folder)
+        include = _shim_and_runtime(folder)
         _publish(lambda p: _compile([compiler(), *_FLAGS, "-shared", "-Winvalid-pch", f"-I{include}", str(source),
                                      str(include / RUNTIME), f"-Wl,-rpath,{include}", "-o", str(p)]), library)
     _LIBRARIES[key] = ctypes.CDLL(str(library))

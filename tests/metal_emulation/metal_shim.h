@@ -2,7 +2,7 @@
 //
 // A threadgroup's threads run concurrently and meet at the same synchronisation points a GPU
 // has: simd_sum waits for the 32 lanes of its simdgroup, threadgroup_barrier for the whole
-// threadgroup. Three schedules:
+// threadgroup. Three schedules (run by metal_runtime.cpp, which every kernel's library links to):
 //   PARALLEL   every emulated GPU thread is an OS thread and they run freely (the OS
 //               interleaves them);
 //   LOWEST_FIRST / HIGHEST_FIRST
