@@ -101,8 +101,12 @@ class PromptCache:
             self.tokens = self.tokens[:start]
             self.checkpoints = {p: s for p, s in self.checkpoints.items() if p <= start}
         step = math.ceil(len(prompt) / self.spread)
-        self.keep = {p for p in (*wanted, len(prompt) - 1) if start < p < len(prompt)}
-        self._plan = {j * step for j in range(1, self.spread) if start < j * step < len(prompt)} | self.keep
+        # The request's own checkpoints stay through thinning, also those it restarts from: else
+        # resending the same prompt twice could thin away the point the third send needs.
+        self.keep = {p for p in (*wanted, len(prompt) - 1) if 0 < p < len(prompt) and (p >= start or p in self.checkpoints)}
+        if start in self.keep and start not in self.checkpoints:
+            self.checkpoint(start)  # restarting from the live state, which this prefill moves on
+        self._plan = {p for p in (*(j * step for j in range(1, self.spread)), *self.keep) if start < p < len(prompt)}
         self._prompt = list(prompt)
         return start
 

@@ -157,6 +157,23 @@ def test_a_prompt_sharing_only_a_system_prompt_forks_the_history(pair):
     assert again.cached_prompt_tokens == len(first) - 1  # the first history survived the fork
 
 
+def test_resending_a_forked_prompt_always_reuses_all_but_its_last_token(pair):
+    """A fork keeps its parent's checkpoints inside the shared prefix, so the forked prompt's
+    history can hold one more than its budget; the point a resend restarts from must survive the
+    thinning (it did not: the third send restarted 22 tokens early, in CI's server test)."""
+    model, tokenizer = pair
+    pool = PromptCachePool(budget_bytes=1 << 30)
+    system = ids(17, 7)
+    run(model, tokenizer, system + ids(18, 33), prompt_cache=pool, max_tokens=3, block_tokens=4)
+    forked = system + ids(19, 198)  # forks at the parent's checkpoint 5, then one every 26 and at 204
+    for send in range(4):
+        out, last = run(model, tokenizer, forked, prompt_cache=pool, max_tokens=3, block_tokens=4)
+        assert last.cached_prompt_tokens == (len(forked) - 1 if send else 5), send
+    assert len(pool.histories) == 2
+    fresh, _ = run(model, tokenizer, forked, max_tokens=3, block_tokens=4)
+    assert out == fresh
+
+
 def test_the_pool_evicts_least_recently_used_histories_over_budget(pair):
     model, tokenizer = pair
     pool = PromptCachePool(budget_bytes=1 << 30)
