@@ -99,22 +99,34 @@ def test_the_context_limit_counts_the_answer(client, pair, local):
     assert model_context_length(local[0]) == json.loads((target / "config.json").read_text())["max_position_embeddings"]
 
 
-def cancelled_total(server) -> float:
+def metric(server, name: str) -> float:
     metrics = httpx.get(f"{server}/metrics").text
-    return float(next(line.split()[-1] for line in metrics.splitlines() if line.startswith("dflash_requests_cancelled_total")))
+    return float(next(line.split()[-1] for line in metrics.splitlines() if line.startswith(name + "{")))
+
+
+def cancelled_total(server) -> float:
+    return metric(server, "dflash_requests_cancelled_total")
+
+
+def assert_stopped_early(server, cancelled_before: float, tokens_before: float, answer_tokens: int) -> None:
+    """The dropped request was cancelled, and its generation stopped before the ``answer_tokens``
+    it would have run to (measured in tokens, not seconds: the machine's speed does not matter)."""
+    deadline = time.time() + 60
+    while cancelled_total(server) == cancelled_before and time.time() < deadline:
+        time.sleep(0.05)
+    assert cancelled_total(server) == cancelled_before + 1, "the server never saw the client leave"
+    generated = metric(server, "dflash_cancelled_generated_tokens_total") - tokens_before
+    assert generated < answer_tokens, f"the dropped request's generation ran on to {generated:.0f} tokens"
 
 
 def test_a_dropped_non_streaming_request_frees_the_model(server):
     """The client gives up on a long non-streaming answer: the server sees the disconnect and
-    stops the generation within a second, instead of running it to max_tokens."""
-    before = cancelled_total(server)
+    stops the generation, instead of running it to max_tokens (590 tokens: about 2 s here)."""
+    before, tokens = cancelled_total(server), metric(server, "dflash_cancelled_generated_tokens_total")
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 590, "temperature": 0}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5)
-    deadline = time.time() + 1.5
-    while cancelled_total(server) == before and time.time() < deadline:
-        time.sleep(0.05)
-    assert cancelled_total(server) == before + 1, "the dropped request's generation is still running"
+    assert_stopped_early(server, before, tokens, 590)
     assert httpx.get(f"{server}/health").json()["queue_depth"] == 0
 
 
@@ -144,9 +156,10 @@ def test_ctrl_c_stops_the_server_during_a_generation(pair, stream):
             time.sleep(0.05)
         start = time.time()
         process.send_signal(signal.SIGINT)
-        process.wait(timeout=20)
+        process.wait(timeout=30)
         log = process.stdout.read()
-        assert time.time() - start < 8, f"the server took {time.time() - start:.1f} s: it waited for the generation"
+        assert "still running" not in log, log  # the engine's stop gave up waiting: the generation went on
+        assert time.time() - start < 15, f"the server took {time.time() - start:.1f} s to exit"
         assert process.returncode == 0, f"exit status {process.returncode}:\n{log}"  # Ctrl-C is how a server stops
         assert "terminate called" not in log and "Traceback" not in log, log
         asking.join(10)
@@ -246,20 +259,19 @@ def test_eight_concurrent_clients(client):
 
 
 def test_a_dropped_stream_frees_the_model(client, server):
+    """Seed 1 runs to the context's end (578 tokens, about 7 s here): only a cancellation ends it
+    early. (Some seeds stop within a few tokens, which once made this test depend on luck.)"""
+    before, tokens = cancelled_total(server), metric(server, "dflash_cancelled_generated_tokens_total")
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", f"{server}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
                          json={"model": "tiny", "messages": [{"role": "user", "content": "go on forever"}],
-                               "max_tokens": 100000, "temperature": 0.8, "stream": True}) as response:
+                               "max_tokens": 100000, "temperature": 0.8, "seed": 1, "stream": True}) as response:
             lines = response.iter_lines()
             for _ in range(6):
                 next(lines)
         # The connection is closed here, mid-stream.
-    time.sleep(0.2)
-    start = time.perf_counter()
-    chat(client, "are you free?", max_tokens=1)
-    assert time.perf_counter() - start < 1.5
-    metrics = httpx.get(f"{server}/metrics").text
-    assert 'dflash_requests_cancelled_total{model="tiny"} 1' in metrics or "cancelled_total{model=\"tiny\"} 2" in metrics
+    assert_stopped_early(server, before, tokens, 578)
+    assert chat(client, "are you free?", max_tokens=1).usage.completion_tokens == 1
 
 
 def test_prefix_cache_is_lossless(client):

@@ -56,6 +56,7 @@ class Metrics:
     totals: RunTotals = field(default_factory=RunTotals)
     errors: int = 0
     cancelled: int = 0
+    cancelled_tokens: int = 0  # generated for clients that left: the work a cancellation did not save
     queued: int = 0
     last_tps: float = 0.0
     prompt_cache_bytes: int = 0  # measured by the worker after each generation
@@ -79,6 +80,8 @@ class Metrics:
             ("dflash_requests_total", "counter", "Completed generation requests", t.runs),
             ("dflash_request_errors_total", "counter", "Requests answered with an error", self.errors),
             ("dflash_requests_cancelled_total", "counter", "Generations cancelled by a disconnect", self.cancelled),
+            ("dflash_cancelled_generated_tokens_total", "counter", "Tokens generated for cancelled requests before they stopped",
+             self.cancelled_tokens),
             ("dflash_queue_depth", "gauge", "Generations waiting or running", self.queued),
             ("dflash_prompt_tokens_total", "counter", "Prompt tokens received", t.prompt_tokens),
             ("dflash_cached_prompt_tokens_total", "counter", "Prompt tokens reused from the prefix cache", t.cached_prompt_tokens),
@@ -204,6 +207,7 @@ class Engine:
                     job.emit("token", last)
             if job.cancelled.is_set():
                 self.metrics.count("cancelled")
+                self.metrics.count("cancelled_tokens", last.generation_tokens if last is not None else 0)
                 if job.cancel_reason is not None:
                     job.emit("error", (503, job.cancel_reason))
             elif last is not None:
