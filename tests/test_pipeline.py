@@ -241,7 +241,7 @@ def test_serve_behind_rank_0(tmp_path, pair):
 
 
 def _long_spec(tmp_path: Path, pair, peer_timeout: float) -> Path:
-    runs = [dict(prompt=list(range(3, 40)), max_tokens=200, block_tokens="4", temp=0.0, seed=None)]
+    runs = [dict(prompt=list(range(3, 40)), max_tokens=48, block_tokens="4", temp=0.0, seed=None)]
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(dict(target=str(pair[0]), draft=str(pair[1]), runs=runs, forever=True,
                                     peer_timeout=peer_timeout)))
