@@ -79,7 +79,7 @@ class Metrics:
         rows = [
             ("dflash_requests_total", "counter", "Completed generation requests", t.runs),
             ("dflash_request_errors_total", "counter", "Requests answered with an error", self.errors),
-            ("dflash_requests_cancelled_total", "counter", "Generations cancelled by a disconnect", self.cancelled),
+            ("dflash_requests_cancelled_total", "counter", "Generations cancelled (the client left, or the server stopped)", self.cancelled),
             ("dflash_cancelled_generated_tokens_total", "counter", "Tokens generated for cancelled requests before they stopped",
              self.cancelled_tokens),
             ("dflash_queue_depth", "gauge", "Generations waiting or running", self.queued),
