@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -108,9 +109,14 @@ def cancelled_total(server) -> float:
     return metric(server, "dflash_requests_cancelled_total")
 
 
-def assert_stopped_early(server, cancelled_before: float, tokens_before: float, answer_tokens: int) -> None:
-    """The dropped request was cancelled, and its generation stopped before the ``answer_tokens``
-    it would have run to (measured in tokens, not seconds: the machine's speed does not matter)."""
+@contextmanager
+def stopped_early(server, answer_tokens: int):
+    """The request dropped inside the block was cancelled, and its generation stopped before the
+    ``answer_tokens`` it would have run to (measured in tokens, not seconds: the machine's speed
+    does not matter)."""
+    cancelled_before = cancelled_total(server)
+    tokens_before = metric(server, "dflash_cancelled_generated_tokens_total")
+    yield
     deadline = time.time() + 60
     while cancelled_total(server) == cancelled_before and time.time() < deadline:
         time.sleep(0.05)
@@ -122,11 +128,9 @@ def assert_stopped_early(server, cancelled_before: float, tokens_before: float, 
 def test_a_dropped_non_streaming_request_frees_the_model(server):
     """The client gives up on a long non-streaming answer: the server sees the disconnect and
     stops the generation, instead of running it to max_tokens (590 tokens: about 2 s here)."""
-    before, tokens = cancelled_total(server), metric(server, "dflash_cancelled_generated_tokens_total")
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 590, "temperature": 0}
-    with pytest.raises(httpx.ReadTimeout):
+    with stopped_early(server, 590), pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5)
-    assert_stopped_early(server, before, tokens, 590)
     assert httpx.get(f"{server}/health").json()["queue_depth"] == 0
 
 
@@ -261,8 +265,7 @@ def test_eight_concurrent_clients(client):
 def test_a_dropped_stream_frees_the_model(client, server):
     """Seed 1 runs to the context's end (578 tokens, about 7 s here): only a cancellation ends it
     early. (Some seeds stop within a few tokens, which once made this test depend on luck.)"""
-    before, tokens = cancelled_total(server), metric(server, "dflash_cancelled_generated_tokens_total")
-    with httpx.Client(timeout=60) as http:
+    with stopped_early(server, 578), httpx.Client(timeout=60) as http:
         with http.stream("POST", f"{server}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
                          json={"model": "tiny", "messages": [{"role": "user", "content": "go on forever"}],
                                "max_tokens": 100000, "temperature": 0.8, "seed": 1, "stream": True}) as response:
@@ -270,7 +273,6 @@ def test_a_dropped_stream_frees_the_model(client, server):
             for _ in range(6):
                 next(lines)
         # The connection is closed here, mid-stream.
-    assert_stopped_early(server, before, tokens, 578)
     assert chat(client, "are you free?", max_tokens=1).usage.completion_tokens == 1
 
 

@@ -56,7 +56,7 @@ class Metrics:
     totals: RunTotals = field(default_factory=RunTotals)
     errors: int = 0
     cancelled: int = 0
-    cancelled_tokens: int = 0  # generated for clients that left: the work a cancellation did not save
+    cancelled_tokens: int = 0  # generated for cancelled requests before they stopped: work nobody received
     queued: int = 0
     last_tps: float = 0.0
     prompt_cache_bytes: int = 0  # measured by the worker after each generation
