@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional
 
@@ -389,7 +389,7 @@ def train_draft(
         draft, draft_config = _new_draft(target, tokenizer, config, num_layers, mask_token_id, taps,
                                          block_only_layers, causal, init, dflash2)
         state = {"step": 0, "losses": []}
-    config.block_size = draft.block_size
+    config = replace(config, block_size=draft.block_size)  # the caller's config stays as given
     # The windows and anchors come from this generator alone: a resume restores its state, so that
     # the run continues with the batches an uninterrupted one would have drawn.
     rng = np.random.default_rng(config.seed)
@@ -416,15 +416,23 @@ def train_draft(
         loss, grads = loss_and_grad(mx.stop_gradient(features), tokens, labels, anchors)
         optimizer.update(draft, grads)
         mx.eval(loss, draft.parameters(), optimizer.state)
+        if not math.isfinite(float(loss)):  # stop at once, not after every remaining step
+            _diverged(state["step"] + 1, f"loss {float(loss)}", config)
         state["step"] += 1
         losses.append(float(loss))
         if on_step is not None:
             on_step(state["step"], float(loss))
         if state["step"] % config.save_every == 0 or state["step"] == config.steps:
+            # The loss was computed before this step's update: the weights are checked before a save
+            # so that a checkpoint never holds a diverged draft.
+            if not all(bool(mx.all(mx.isfinite(w))) for _, w in tree_flatten(draft.trainable_parameters())):
+                _diverged(state["step"], "weights not finite", config)
             checkpoint.save(draft, draft_config, optimizer, {**state, "losses": losses, "rng": rng.bit_generator.state})
-    if not math.isfinite(losses[-1] if losses else 0.0):
-        raise RuntimeError("training diverged (loss is not finite); lower --learning-rate")
     return losses
+
+
+def _diverged(step: int, what: str, config: TrainConfig):
+    raise RuntimeError(f"training diverged at step {step} ({what}); lower --learning-rate (now {config.learning_rate})")
 
 
 def _new_draft(target, tokenizer, config: TrainConfig, num_layers, mask_token_id, taps, block_only_layers, causal, init,

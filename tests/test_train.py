@@ -432,3 +432,28 @@ def test_a_trained_dflash_draft_becomes_the_dflash2_draft_that_wraps_it(setup, t
         bad = runner.invoke(app, base + ["--out", str(tmp_path / "x")] + extra)
         assert bad.exit_code == 1 and message in bad.output, (extra, bad.output)
         assert not (tmp_path / "x").exists()
+
+
+
+def test_training_stops_at_the_first_diverged_step(setup):
+    """A diverging run raises at its first non-finite loss, before writing that step's draft (the
+    last checkpoint stays finite), instead of running every step and checking at the end."""
+    root, _, corpus, model, tokenizer = setup
+    out = root / "diverged"
+    config = TrainConfig(steps=200, **{**CONFIG, "learning_rate": 1e9, "warmup": 1, "save_every": 1})
+    seen = []
+    with pytest.raises(RuntimeError, match=r"diverged at step \d+ .*--learning-rate \(now 1000000000"):
+        train_draft(model.target, tokenizer, [corpus], out, config, num_layers=1,
+                    on_step=lambda step, loss: seen.append(loss))
+    assert 0 < len(seen) < config.steps and all(np.isfinite(seen))
+    assert all(bool(mx.all(mx.isfinite(w))) for w in mx.load(str(out / "model.safetensors")).values())
+
+
+def test_resuming_takes_the_drafts_block_size_without_changing_the_callers_config(setup):
+    root, _, corpus, model, tokenizer = setup
+    out = root / "resumed-block"
+    train_draft(model.target, tokenizer, [corpus], out, TrainConfig(steps=1, **CONFIG), num_layers=1)
+    given = TrainConfig(steps=1, **{**CONFIG, "block_size": 3})
+    train_draft(model.target, tokenizer, [corpus], out, given, resume=True)
+    assert given == TrainConfig(steps=1, **{**CONFIG, "block_size": 3})
+    assert json.loads((out / "config.json").read_text())["dflash_config"]["block_size"] == CONFIG["block_size"]
