@@ -283,15 +283,26 @@ def test_reference_switch_and_dispatch_rules(monkeypatch):
     assert metal.mode(64, 2, 6, 4) == "reference"  # Dv not a multiple of 4
 
 
-def test_kernel_sources_and_the_demo_pair_ship_in_the_wheel(tmp_path):
+def test_every_module_the_kernel_sources_and_the_demo_pair_ship_in_the_wheel(tmp_path):
     import subprocess
     import sys
     import zipfile
     from pathlib import Path
 
+    import shutil
+
     root = Path(__file__).resolve().parents[1]
+    # Built from a copy of the files git would commit: an in-tree build reads the editable install's
+    # egg-info and build/ folder, which can list modules the packaging itself would leave out.
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                           capture_output=True, text=True, check=True).stdout.split("\0")
+    source = tmp_path / "source"
+    for name in filter(None, files):
+        if (root / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / name, source / name)
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(root)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(source)],
         capture_output=True, text=True,
     )
     assert done.returncode == 0, done.stderr
@@ -299,6 +310,8 @@ def test_kernel_sources_and_the_demo_pair_ship_in_the_wheel(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     for kernel in kernels.KERNEL_NAMES:
         assert f"dflash_mlx/metal/{kernel}.metal" in names
+    modules = {str(p.relative_to(root)) for p in (root / "dflash_mlx").rglob("*.py")}
+    assert modules <= set(names), f"modules missing from the wheel: {sorted(modules - set(names))}"
     demo = root / "dflash_mlx" / "demo"
     shipped = {str(p.relative_to(root)) for p in demo.rglob("*") if p.is_file()}
     assert {"dflash_mlx/demo/target/model.safetensors", "dflash_mlx/demo/draft/model.safetensors"} <= shipped
