@@ -10,22 +10,18 @@ made on first use (``convert_target`` / ``convert_draft``) and kept under ``$DFL
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Optional, Tuple
 
 from .convert import DEFAULT_DRAFT, DEFAULT_TARGET, convert_draft
+from .paths import home
 from .target_conversion import convert_target
 
 DEMO = "demo"
 DEMO_DIR = Path(__file__).parent / "demo"
 TARGET_FOLDER = "Qwopus3.5-9B-Coder-mlx-4bit"
 DRAFT_FOLDER = "Qwen3.5-9B-DFlash-for-Qwopus"
-
-
-def home() -> Path:
-    return Path(os.environ.get("DFLASH_MLX_HOME", "~/.cache/dflash-mlx")).expanduser()
 
 
 def demo(draft: Optional[str] = None) -> Tuple[str, str]:

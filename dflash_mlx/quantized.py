@@ -29,6 +29,7 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from . import kernels
+from .paths import home
 
 MAX_ROWS = 16
 ROW_BUCKETS = (1, 2, 4, 8, 16)  # the kernel's accumulator counts (template Rows); M rounds up
@@ -341,9 +342,7 @@ class TuningCache:
 
     @classmethod
     def for_this_device(cls) -> "TuningCache":
-        from . import defaults
-
-        return cls(defaults.home() / "tuning.json", device_id())
+        return cls(home() / "tuning.json", device_id())
 
     def missing(self, shapes: Iterable[MatmulShape]) -> List[MatmulShape]:
         return [s for s in shapes if s.key() not in self.entries]
