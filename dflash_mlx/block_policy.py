@@ -4,18 +4,57 @@ A cycle of block size ``b`` commits ``1 + accepted`` tokens and costs a draft pa
 of ``b`` tokens, a rollback and a hand-off; ``b = 1`` is a plain decode step (whose tapped
 features still reach the draft, so drafting can resume at any time). ``AutoBlock`` picks, each
 cycle, the ``b`` in ``1..cap`` that maximises expected committed tokens per second,
-``E[tokens | b] / cost(b)``, from two kinds of statistics:
+``E[tokens | b] / cost(b, context)``, from two kinds of statistics:
 
 - ``CycleCosts``: wall time per cycle, measured on this machine with this pair, as a function of
-  ``b``, following the context as it grows. A property of the machine and the pair: kept across
-  requests.
+  ``b`` and of the context length (the verify pass's and the draft's attention read the whole
+  context, a plain step's too, so a cycle's cost grows with it). A property of the machine and the
+  pair: kept across requests, so a request at 32k tokens after one at 1k starts from costs
+  extrapolated along the slopes measured so far, not from the 1k costs.
 - ``SlotAcceptance``: the chance that draft slot ``i`` is accepted given that the slots before it
   were, so that one cycle at ``b = 8`` also informs ``b = 4``. A property of the request: each
   one starts fresh, with the previous request's totals as a weak prior.
 
-A bounded share of cycles (at most ``PROBE_SHARE``, less while nothing surprises) probes other
-sizes, so a workload that changes is noticed within a few dozen cycles. Nothing here touches
-MLX or a model: decisions are pure functions of the statistics, testable on synthetic streams.
+Exploring, budgeted in time
+---------------------------
+The size with the best point estimate, ``v* = max_b E[tokens | b] / cost(b)``, is what a cycle
+runs unless it explores: a *probe* (another size), a *shadow* (a plain step that also drafts,
+unverified, to measure acceptance) or an *optimistic* choice (a size that only wins once each
+slot's acceptance is counted ``OPTIMISM`` standard errors high). Exploring is paid from a bucket
+of seconds, shared by every request on the pair (``BlockStats.bucket``):
+
+- every cycle refills it by ``PROBE_SHARE`` times its wall time; it holds at most
+  ``PROBE_BURST`` cycles at ``cap`` (their predicted seconds at the current context);
+- an exploring cycle may start only while the bucket holds its *predicted regret*: its predicted
+  seconds minus the time the best size would take to commit the tokens it is expected to commit,
+  ``cost(b) - E[tokens | b] / v*`` (a shadow: its draft pass, ``CycleCosts.shadow``);
+- once done it is charged its *measured* regret, ``seconds - committed / v*`` (a shadow:
+  ``seconds - cost(1)``), which may leave the bucket below zero until it refills;
+- a routine probe must also leave in the bucket what the probe after a surprise would need, so
+  that the probe that matters most is not kept waiting by the ones that confirm the model; a
+  pair's first cycles, before any cost is measured (they compile), are not charged.
+
+The bound: over any stretch of ``T`` seconds of decoding, the exploring cycles' regret adds up to
+at most ``PROBE_SHARE * T + B + d`` seconds, ``B`` the bucket at the stretch's start (at most
+``PROBE_BURST`` cycles at ``cap``) and ``d`` one cycle's overshoot (the last exploring cycle's
+measured regret above its prediction). Since an exploring cycle commits ``v* * (seconds - regret)``
+tokens by the definition of its regret, the tokens per second over the stretch are at least
+``(1 - PROBE_SHARE) * v* - v* * (B + d) / T`` if the other cycles run at ``v*``: with
+``PROBE_SHARE = 0.03``, 97% of the best size's rate under the model's estimates, less two cycles
+per stretch (when ``v*`` moves, each exploring cycle's regret is weighted by the ``v*`` of its
+moment). What the bound does not cover is the estimates' error: a cycle that exploits runs at its
+size's true rate, not at ``v*``. The costs are measured by the cycles that exploit (every one of
+them while the context has moved away from where a size was last measured), the acceptance by
+every drafting cycle, so an error lasts a few cycles at the size it misjudges; the probes and
+shadows, budgeted above, are what finds errors about sizes not being run. The time spent exploring
+is kept: ``AutoBlock.probe_seconds`` (wall time of the exploring cycles), ``probe_regret`` (their
+charged regret) and ``seconds`` (all cycles) per request, and the same totals in ``BlockStats`` per
+pair.
+
+Probes are paced in cycles too (every ``PROBE_GAP_MIN`` cycles after a surprise, stretching to
+``PROBE_GAP_MAX`` while they confirm the model), so a workload that changes is noticed within a
+few dozen cycles wherever they are cheap. Nothing here touches MLX or a model: decisions are pure
+functions of the statistics, testable on synthetic streams.
 """
 
 from __future__ import annotations
@@ -25,10 +64,10 @@ import random
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Protocol, Sequence, Union
 
-PROBE_SHARE = 0.05  # the most cycles that may go to probing, in the long run
-PROBE_GAP_MIN, PROBE_GAP_MAX = 20, 50  # cycles between probes: 5% right after a surprise, 2% when settled
+PROBE_SHARE = 0.03  # the most of the elapsed time that exploring may cost (its regret), in the long run
+PROBE_BURST = 2.0  # the bucket holds at most this many cycles at cap: probes saved up for right after a surprise
+PROBE_GAP_MIN, PROBE_GAP_MAX = 20, 50  # cycles between probes: right after a surprise, and when settled
 PROBE_GAP_GROWTH = 1.5  # each unsurprising probe stretches the gap by this much
-PROBE_BURST = 2.0  # probes that may be saved up and spent right after a surprise
 SURPRISE = 0.1  # accepted at least this far with less than this chance: the workload changed
 DEEP_PRIOR = 3.0  # cycles the prior of slots 2.. is worth
 COLLAPSE = 0.002  # a run of first-slot rejections this unlikely: acceptance collapsed
@@ -36,6 +75,7 @@ OPTIMISM = 0.7  # decisions count each slot's acceptance this many standard erro
 CLOSE_CALL = 0.9  # drafting within 10% of plain decoding: probe at the shortest gap
 RESTART_KEEP = 2.0  # outcomes per slot a restart keeps
 FORGET = 0.97  # per outcome of a slot: acceptance remembers about the last 30 of them
+CONTEXT_UNIT = 4096  # tokens: CycleCosts' context slopes are seconds per this many tokens of context
 
 
 
@@ -49,6 +89,7 @@ class BlockChooser(Protocol):
     def observe(
         self, block: int, accepted: int, seconds: float,
         committed: Sequence[int] = (), proposals: Sequence[int] = (), handed_off: int = 0,
+        context: Optional[int] = None,
     ) -> None: ...
 
 
@@ -136,21 +177,38 @@ def _solve(a: List[List[float]], b: List[float]) -> List[float]:
 
 
 class CycleCosts:
-    """Seconds per cycle as a function of block size, measured online on this machine and pair.
+    """Seconds per cycle as a function of block size and context, measured online on this machine
+    and pair.
 
-    Two parts: each measured size's recent mean (an exponential average), and a line fitted by
-    weighted least squares, ``cost = a + s*[b>1] + c*(b-1)`` (a decode step; the draft pass and
-    hand-off; each verified token), for sizes never measured. A size's prediction moves from the
-    line to its own mean as measurements come in, so kernels that change with the row count are
-    seen where they matter. Both forget, which is how costs follow the context as it grows: a
-    context term in the fit was tried and dropped, since within a request the context spans too
-    little to separate from the intercept and its fitted slope came out negative. A weak ridge
-    makes the line defined from the first measurement and, with ``b - 1`` unscaled, puts what
-    one size cannot tell apart on the per-token slope: sizes between those measured look
-    cheaper than a flat line would say, and get tried. The first measurement of each size is
-    skipped (it pays for compiling); once a size is settled, its measurements are clipped at
-    ``CLIP`` times its prediction (a paused consumer, a page fault, a neighbour's burst on a shared
-    machine: one such cycle should move the mean a little, not a fifth of the way).
+    Two parts: each measured size's recent mean (an exponential average) with the context it was
+    measured at, and a line fitted by weighted least squares,
+    ``cost = a + s*[b>1] + c*(b-1) + u * (g + h*[b>1] + e*(b-1))`` with ``u`` the context in
+    ``CONTEXT_UNIT`` tokens (a decode step; the draft pass and hand-off; each verified token; and
+    what each of them adds per unit of context: a plain step's attention, the draft's attention
+    over its context, the verify pass's attention for each further query). A size's prediction
+    moves from the line to its own mean as measurements come in, so kernels that change with the
+    row count are seen where they matter; the mean is carried to the current context along the
+    line's slope for that size. The slopes have a prior worth ``SLOPE_PRIOR`` measurements one unit
+    of context apart, pulling them to zero: within a request the context spans too little to
+    separate a slope from the intercept (fitted freely, the slope came out negative), while a
+    request or a turn at another context, or a long generation, moves it. Until drafting has been
+    measured at two contexts, drafting sizes grow with the context as fast as a plain step (the
+    verify pass reads the whole context too): a request that starts longer than the last one does
+    not start from short-context costs. A negative fitted slope is not extrapolated.
+
+    Both parts forget (per kept measurement), which is how costs follow a machine that gets busier
+    or cooler. A weak ridge makes the line defined from the first measurement and, with ``b - 1``
+    unscaled, puts what one size cannot tell apart on the per-token slope: sizes between those
+    measured look cheaper than a flat line would say, and get tried. The first measurement of
+    each size is skipped (it pays for compiling); once a size is settled, its measurements are
+    clipped at ``CLIP`` times its prediction (a paused consumer, a page fault, a neighbour's burst
+    on a shared machine: one such cycle should move the mean a little, not a fifth of the way). A
+    size measured at a context ``DRIFT`` away from its mean's (a quarter, or 512 tokens) is no longer
+    settled: its next measurements are all kept, unclipped, and move its mean quickly.
+
+    A shadow (a plain step that also drafts ``cap - 1`` tokens unverified) costs a plain step plus
+    a draft pass and the hand-off of the plain steps before it: ``shadow(context)`` predicts that
+    extra from its own recent mean, carried along the draft's context slope ``h``.
 
     The controller must cost far less than a cycle (a few milliseconds on a small model, where
     Python inside the decode loop ran about 3x slower than in isolation): a size measured
@@ -159,62 +217,128 @@ class CycleCosts:
     """
 
     SETTLED, SAMPLE, REFIT, CLIP = 8, 8, 4, 1.5
+    SLOPE_PRIOR = 1.0  # ridge on the context slopes (g, h, e), in measurements one unit of context apart
+    DRIFT, DRIFT_FLOOR = 0.25, 512 / CONTEXT_UNIT  # a size unsettles past this relative (or absolute) context move
 
     def __init__(self, forget: float = 0.98, ridge: float = 1e-3):
         self.forget, self.ridge = forget, ridge
-        self.gram = [[0.0] * 3 for _ in range(3)]  # upper triangle used
-        self.moment = [0.0] * 3
+        self.gram = [[0.0] * 6 for _ in range(6)]  # upper triangle used
+        self.moment = [0.0] * 6
         self.weight = 0.0  # decayed number of measurements in the fit
-        self.theta = [0.0] * 3
+        self.theta = [0.0] * 6
+        self.center = 0.0  # the fit's mean context (units): where negative slopes stop extrapolating
         self.recent: Dict[int, float] = {}  # block size -> recent mean seconds
+        self.where: Dict[int, float] = {}  # block size -> the context (units) that mean was measured at
         self.measured: Dict[int, int] = {}  # block size -> measurements kept
         self.cycles: Dict[int, int] = {}  # block size -> cycles seen
+        self.shadow_extra: Optional[float] = None  # a shadow's recent mean seconds beyond a plain step
+        self.shadow_where = 0.0
+        self.shadows = 0
         self.smallest = float("inf")
         self.version = 0
         self._since_fit = 0
 
-    def line(self, block: int) -> float:
-        a, s, c = self.theta
-        return a if block == 1 else a + s + c * (block - 1)
+    def slope(self, block: int) -> float:
+        """Fitted seconds per unit of context for size ``block`` (may be negative: see line)."""
+        _, _, _, g, h, e = self.theta
+        return g if block == 1 else g + h + e * (block - 1)
 
-    def observe(self, block: int, seconds: float) -> None:
+    def line(self, block: int, units: float = 0.0) -> float:
+        a, s, c = self.theta[:3]
+        base = a if block == 1 else a + s + c * (block - 1)
+        slope = self.slope(block)
+        return base + slope * self.center + (slope if slope > 0 else 0.0) * (units - self.center)
+
+    def observe(self, block: int, seconds: float, context: int = 0) -> None:
+        units = context / CONTEXT_UNIT
         seen = self.cycles[block] = self.cycles.get(block, 0) + 1
         if seen == 1:
             return  # the first cycle of a size compiles
-        if self.measured.get(block, 0) >= self.SETTLED and seen % self.SAMPLE:
-            return
-        if self.measured.get(block, 0) >= self.SETTLED:
-            seconds = min(seconds, self.CLIP * self.predict(block, block)[0])
+        kept = self.measured.get(block, 0)
+        if kept >= self.SETTLED:
+            where = self.where[block]
+            if abs(units - where) > max(self.DRIFT * where, self.DRIFT_FLOOR):
+                kept = self.measured[block] = 2  # measured elsewhere: keep the next ones, unclipped
+            elif seen % self.SAMPLE:
+                return
+            else:
+                seconds = min(seconds, self.CLIP * self.predict(block, block, context)[0])
         drafting = 1.0 if block > 1 else 0.0
-        x, f = (1.0, drafting, drafting * (block - 1)), self.forget
+        x = (1.0, drafting, drafting * (block - 1), units, drafting * units, drafting * (block - 1) * units)
+        f = self.forget
         for i, row in enumerate(self.gram):
-            for j in range(i, 3):
-                row[j] = f * row[j] + x[i] * x[j]
+            xi = x[i]
+            for j in range(i, 6):
+                row[j] = f * row[j] + xi * x[j]
         self.moment = [f * m + xi * seconds for m, xi in zip(self.moment, x)]
         self.weight = f * self.weight + 1.0
-        kept = self.measured[block] = self.measured.get(block, 0) + 1
+        kept = self.measured[block] = kept + 1
         if kept == 1 or self._since_fit + 1 >= self.REFIT:  # a new size, or due
-            g = self.gram
-            ridged = [[g[min(i, j)][max(i, j)] + (self.ridge if i == j else 0.0) for j in range(3)] for i in range(3)]
-            self.theta = _solve(ridged, self.moment)
-            self._since_fit = 0
+            self._fit()
         else:
             self._since_fit += 1
+        step = max(1.0 / kept, 0.2)
         old = self.recent.get(block, seconds)
-        self.recent[block] = old + max(1.0 / kept, 0.2) * (seconds - old)
+        self.recent[block] = old + step * (seconds - old)
+        old = self.where.get(block, units)
+        self.where[block] = old + step * (units - old)
         self.smallest = min(self.smallest, seconds)
         self.version += 1
 
-    def predict(self, first: int, last: int) -> List[float]:
-        """Predicted seconds per cycle for ``b = first..last``."""
+    def _fit(self) -> None:
+        g = self.gram
+        ridge = (self.ridge,) * 3 + (self.SLOPE_PRIOR,) * 3
+        ridged = [[g[min(i, j)][max(i, j)] + (ridge[i] if i == j else 0.0) for j in range(6)] for i in range(6)]
+        self.theta = _solve(ridged, self.moment)
+        self.center = g[0][3] / g[0][0]
+        self._since_fit = 0
+
+    def observe_shadow(self, seconds: float, context: int = 0) -> None:
+        """A shadowed plain step: what it took beyond the plain step's predicted cost."""
+        if not self.weight:
+            return  # no plain step measured yet: nothing to subtract
+        units = context / CONTEXT_UNIT
+        extra = max(seconds - self.predict(1, 1, context)[0], 0.0)
+        self.shadows += 1
+        step = max(1.0 / self.shadows, 0.2)
+        if self.shadow_extra is None:
+            self.shadow_extra, self.shadow_where = extra, units
+        else:
+            self.shadow_extra += step * (extra - self.shadow_extra)
+            self.shadow_where += step * (units - self.shadow_where)
+        self.version += 1
+
+    def shadow(self, context: int = 0) -> float:
+        """Predicted seconds a shadow adds to a plain step at ``context``: its own mean carried along
+        the draft's slope, or, before any was measured, a drafting cycle of 2 over a plain step."""
+        if self.shadow_extra is None:
+            one, two = self.predict(1, 2, context)
+            return max(two - one, 0.0)
+        h = self.theta[4]
+        return max(self.shadow_extra + (h if h > 0 else 0.0) * (context / CONTEXT_UNIT - self.shadow_where), 0.0)
+
+    def predict(self, first: int, last: int, context: int = 0) -> List[float]:
+        """Predicted seconds per cycle for ``b = first..last`` at ``context`` tokens (``line`` and
+        ``slope`` inlined: this runs whenever a statistic moved, for every size up to the cap)."""
         if not self.weight:
             return [1.0] * (last - first + 1)  # nothing measured: all sizes alike
+        units = context / CONTEXT_UNIT
+        a, s, c, g, h, e = self.theta
+        center, floor = self.center, 0.5 * self.smallest
+        recent, where, measured = self.recent, self.where, self.measured
         out = []
         for b in range(first, last + 1):
-            kept = self.measured.get(b, 0)
-            own = kept / (kept + 1.0)
-            cost = own * self.recent[b] + (1.0 - own) * self.line(b) if kept else self.line(b)
-            out.append(max(cost, 0.5 * self.smallest))
+            if b == 1:
+                base, slope = a, g
+            else:
+                base, slope = a + s + c * (b - 1), g + h + e * (b - 1)
+            up = slope if slope > 0 else 0.0
+            cost = base + slope * center + up * (units - center)
+            kept = measured.get(b, 0)
+            if kept:
+                own = kept / (kept + 1.0)
+                cost = own * (recent[b] + up * (units - where[b])) + (1.0 - own) * cost
+            out.append(cost if cost > floor else floor)
         return out
 
 
@@ -269,6 +393,22 @@ class SlotAcceptance:
             out.append(total)
         return out
 
+    def expectations(self, cap: int, optimism: float) -> "tuple[List[float], List[float]]":
+        """``expected_tokens(cap)`` and ``expected_tokens(cap, optimism)`` in one pass."""
+        point, optimistic = [1.0], [1.0]
+        reach, reach_up, total, total_up = 1.0, 1.0, 1.0, 1.0
+        self._grow(cap - 1)
+        prior, strength = 0.5, 1.0
+        for a, t in zip(self.accepted[: cap - 1], self.tried[: cap - 1]):
+            prior = (a + strength * prior) / (t + strength)
+            up = min(1.0, prior + optimism * math.sqrt(prior * (1.0 - prior) / (t + strength)))
+            strength = DEEP_PRIOR
+            reach, reach_up = reach * prior, reach_up * up
+            total, total_up = total + reach, total_up + reach_up
+            point.append(total)
+            optimistic.append(total_up)
+        return point, optimistic
+
     def chance_of_at_least(self, drafted: int, accepted: int) -> float:
         """The model's probability that ``drafted`` slots yield ``accepted`` or more."""
         reach = 1.0
@@ -310,13 +450,20 @@ class SlotAcceptance:
 
 @dataclass
 class BlockStats:
-    """What ``AutoBlock`` keeps between requests: the costs, the last acceptance, the probe gap
-    and the random generator (seeded: decisions are reproducible given the same measurements)."""
+    """What ``AutoBlock`` keeps between requests: the costs, the last acceptance, the probe gap,
+    the exploration bucket, the last context seen and the random generator (seeded: decisions are
+    reproducible given the same measurements). ``seconds``, ``probe_seconds`` and ``probe_regret``
+    add up every request's (see ``AutoBlock``): a bench row or ``/metrics`` reads them as totals."""
 
     costs: CycleCosts = field(default_factory=CycleCosts)
     acceptance: SlotAcceptance = field(default_factory=SlotAcceptance)
     rng: random.Random = field(default_factory=lambda: random.Random(0))
     probe_gap: float = float(PROBE_GAP_MIN)
+    bucket: Optional[float] = None  # seconds of regret exploring may spend now (None: full, once known)
+    context: int = 0  # the context length at the last cycle any request observed
+    seconds: float = 0.0
+    probe_seconds: float = 0.0
+    probe_regret: float = 0.0
 
     @classmethod
     def seeded(cls, seed: int) -> "BlockStats":
@@ -327,25 +474,35 @@ class AutoBlock:
     """Per cycle, the block size with the most expected committed tokens per second.
 
     One instance per request: it starts a fresh ``SlotAcceptance`` from ``stats``' last one (as a
-    prior) and shares ``stats.costs`` with every other request on this pair.
+    prior) and shares ``stats.costs`` and the exploration bucket with every other request on this
+    pair. The decode loop passes ``context`` (tokens in the target's cache) to ``observe``; a
+    request's first choice uses the context the last request ended at.
 
-    Probes come every ``gap`` cycles (20, stretching to 50 while they confirm the model), from a
-    bucket that refills at ``PROBE_SHARE`` per cycle. While drafting, a probe runs a random other
-    size. At ``b = 1`` a greedy request probes with a *shadow*: the plain step also drafts
-    ``cap - 1`` tokens without verifying them, and the tokens the target commits next say
-    exactly how many a cycle of ``cap`` would have accepted, for the price of one draft pass
-    (greedy verification accepts the longest prefix equal to the target's own tokens). Sampled
-    requests probe at ``b = 2`` instead (their acceptance is a coin flip per token, not a match),
-    and follow an accepted one at once with a probe at ``cap``. When drafting comes within
-    ``CLOSE_CALL`` of plain decoding, probes keep the shortest gap and every other one drafts
-    the best drafting size for real: a shadow measures acceptance but not what a cycle costs,
-    and a cost measured in a busy moment would otherwise never be revisited.
+    A cycle runs the size with the best point estimate unless it explores, and it explores only as
+    far as the bucket allows (see the module's docstring for the rule and the bound). Probes are
+    due every ``gap`` cycles (20, stretching to 50 while they confirm the model). While drafting, a
+    probe runs a random other size. At ``b = 1`` a greedy request probes with a *shadow*: the plain
+    step also drafts ``cap - 1`` tokens without verifying them, and the tokens the target commits
+    next say exactly how many a cycle of ``cap`` would have accepted, for the price of one draft
+    pass (greedy verification accepts the longest prefix equal to the target's own tokens).
+    Sampled requests probe at ``b = 2`` instead (their acceptance is a coin flip per token, not a
+    match), and follow an accepted one at once with a probe at ``cap``. When drafting comes within
+    ``CLOSE_CALL`` of plain decoding, probes keep the shortest gap and every other one drafts the
+    best drafting size for real: a shadow measures acceptance but not what a cycle costs, and a
+    cost measured in a busy moment would otherwise never be revisited. A probe that is due but
+    does not fit the bucket waits for it (at long context, where a cycle costs several plain steps
+    and the draft is rarely right, probes thin out by as much).
     A surprise (a probe or cycle accepting far more than the model expected: the workload
-    changed) makes the acceptance start over from its prior, and the next probe comes at once, at
-    ``cap`` (a shadow at ``b = 1``); a request starts that way too, unless it starts at ``cap``.
-    A collapse (first slots rejected in a row against odds below ``COLLAPSE``: two in a row
-    where the first slot was 97% right) restarts the acceptance too; a gentler drop needs no
-    help, the drafting cycles themselves measure it.
+    changed) makes the acceptance start over from its prior, and the next probe comes as soon as
+    the bucket allows, at ``cap`` (a shadow at ``b = 1``); a request starts that way too, unless it
+    starts at ``cap``. A collapse (first slots rejected in a row against odds below ``COLLAPSE``:
+    two in a row where the first slot was 97% right) restarts the acceptance too; a gentler drop
+    needs no help, the drafting cycles themselves measure it.
+
+    ``seconds``, ``probe_seconds`` (wall time of the cycles that explored: probes, shadows and
+    optimistic choices), ``probe_regret`` (what they were charged: their time beyond what the best
+    size would have taken for the same tokens) and ``probe_cycles``: this request's; ``stats``
+    holds the pair's totals.
     """
 
     def __init__(self, stats: BlockStats, cap: int, shadow: bool = True):
@@ -354,32 +511,41 @@ class AutoBlock:
         self.stats, self.cap, self.can_shadow = stats, cap, shadow and cap > 1
         self.acceptance = stats.acceptance.as_prior()
         stats.acceptance = self.acceptance  # the next request's prior is this one's result
-        self.bucket = PROBE_BURST  # probes available now; refills at PROBE_SHARE per cycle
         self.gap = stats.probe_gap  # where the last request left it: probes thin out across requests too
+        self.context = stats.context
         self.since_probe = 0
-        self.probing = False
+        self.probing = False  # the cycle in flight is a probe (or a shadow)
+        self.exploring = False  # the cycle in flight is charged to the bucket
         self.surprised = True  # a new request may be a new workload: probe at once unless at cap
         self.shadowing = 0  # draft tokens the current step shadows
         self.shadow: List[int] = []  # shadow proposals not yet compared with committed tokens
         self.shadow_matched = 0
-        self._decided_from = None  # the statistics' versions that best_size etc. were computed from
+        self._decided_from = None  # the statistics' versions and context that the decision was computed from
         self.best_size, self.close_call, self.best_drafting = 1, False, 1
+        self.point_best, self.rate, self.expected, self.costs = 1, 1.0, [1.0], [1.0]
+        self.bucket_cap = 0.0
         self.last_probe_shadowed = False
         self.rejected_run = 1.0  # the model's chance of the current run of first-slot rejections
+        self.seconds = self.probe_seconds = self.probe_regret = 0.0
+        self.probe_cycles = 0
 
-    def values(self) -> List[float]:
-        """Expected committed tokens per second for ``b = 1..cap``, optimistic by ``OPTIMISM``
-        standard errors per slot: a size dropped after a few unlucky cycles is seen again only
-        by sparse probes, so an estimate left low would stay low (the bias of stopping after bad
-        luck); one left high is corrected by the very cycles it buys."""
-        costs = self.stats.costs.predict(1, self.cap)
-        return [e / c for e, c in zip(self.acceptance.expected_tokens(self.cap, OPTIMISM), costs)]
+    def values(self, optimism: float = OPTIMISM) -> List[float]:
+        """Expected committed tokens per second for ``b = 1..cap`` at the current context, optimistic
+        by ``optimism`` standard errors per slot: a size dropped after a few unlucky cycles is seen
+        again only by sparse probes, so an estimate left low would stay low (the bias of stopping
+        after bad luck); one left high is corrected by the very cycles it buys. Choosing a size for
+        its optimism alone is exploring: it is charged like a probe."""
+        costs = self.stats.costs.predict(1, self.cap, self.context)
+        return [e / c for e, c in zip(self.acceptance.expected_tokens(self.cap, optimism), costs)]
 
     def best(self) -> int:
-        """The best size; recomputed only when the statistics moved."""
-        key = (self.stats.costs.version, self.acceptance.version)
+        """The best size, optimistically; recomputed only when the statistics or the context moved."""
+        key = (self.stats.costs.version, self.acceptance.version, self.context >> 7)
         if self._decided_from != key:
-            values = self.values()
+            costs = self.stats.costs.predict(1, self.cap, self.context)
+            expected, optimistic = self.acceptance.expectations(self.cap, OPTIMISM)
+            values = [e / c for e, c in zip(optimistic, costs)]
+            points = [e / c for e, c in zip(expected, costs)]
             best = 1 + values.index(max(values))
             # At b = 1 with drafting nearly as good, probes keep their shortest gap: the estimate
             # that put us here may be a few unlucky cycles, and a shadow settles it cheaply.
@@ -387,35 +553,70 @@ class AutoBlock:
             close = best == 1 and self.cap > 1 and values[runner_up - 1] >= CLOSE_CALL * values[0]
             self._decided_from = key
             self.best_size, self.close_call, self.best_drafting = best, close, runner_up
+            self.rate = max(points)
+            self.point_best = 1 + points.index(self.rate)
+            self.expected, self.costs = expected, costs
+            self.bucket_cap = PROBE_BURST * costs[-1] if self.stats.costs.weight else 0.0  # 0: nothing measured
         return self.best_size
+
+    def regret(self, block: int, shadow: bool = False) -> float:
+        """Predicted seconds a cycle of ``block`` (with a shadow: a shadowed plain step) loses against
+        the best size committing the same expected tokens."""
+        if shadow:
+            return self.stats.costs.shadow(self.context)
+        return max(self.costs[block - 1] - self.expected[block - 1] / self.rate, 0.0)
+
+    def _affords(self, block: int, shadow: bool = False, routine: bool = True) -> bool:
+        """Whether the bucket holds this cycle's predicted regret; a routine probe (not one after a
+        surprise, nor an optimistic choice) with what the probe after a surprise would need left
+        over: routine probes must not leave nothing for the one that matters most. Before any cost
+        is measured (a pair's first cycles, which compile) there is nothing to predict with: free."""
+        if not self.bucket_cap:
+            return True
+        if self.stats.bucket is None:
+            self.stats.bucket = self.bucket_cap
+        reserve = 0.0
+        if routine and not self.surprised:
+            reserve = self.regret(1, True) if self.best_size == 1 and self.can_shadow else self.regret(self.cap)
+        return self.stats.bucket >= self.regret(block, shadow) + reserve
 
     def choose(self) -> int:
         best = self.best()
-        self.bucket = min(self.bucket + PROBE_SHARE, PROBE_BURST)
         self.since_probe += 1
         self.shadowing = 0
+        self.probing = self.exploring = False
         if self.surprised and best == self.cap:
             self.surprised = False  # more acceptance than expected, at cap already: nothing to probe
         gap = PROBE_GAP_MIN if self.close_call else self.gap
-        self.probing = self.cap > 1 and self.bucket >= 1.0 and (self.surprised or self.since_probe >= gap)
-        if self.probing and best == 1 and self.can_shadow and self.shadow:
-            self.probing = False  # the last shadow is still being compared
-        if not self.probing:
-            return best
-        self.bucket -= 1.0
-        self.since_probe = 0
-        surprised, self.surprised = self.surprised, False
+        due = self.cap > 1 and (self.surprised or self.since_probe >= gap)
+        if due and best == 1 and self.can_shadow and self.shadow:
+            due = False  # the last shadow is still being compared
+        if due:
+            block, shadowed = self._probe(best)
+            if self._affords(block, shadowed):
+                self.probing = self.exploring = True
+                self.since_probe = 0
+                self.surprised = False
+                self.last_probe_shadowed = shadowed
+                self.shadowing = self.cap - 1 if shadowed else 0
+                return block
+        if best != self.point_best:  # only optimism prefers it: explore if the bucket allows
+            if not self._affords(best, routine=False):
+                return self.point_best
+            self.exploring = True
+        return best
+
+    def _probe(self, best: int):
+        """The probe due now: ``(size, shadowed)``."""
         if best == 1 and self.can_shadow and not (self.close_call and self.last_probe_shadowed):
-            self.shadowing, self.last_probe_shadowed = self.cap - 1, True
-            return 1
-        self.last_probe_shadowed = False
+            return 1, True
         if best == 1 and self.close_call:  # measure what the best drafting size costs now
-            return self.best_drafting
-        if surprised and best != self.cap:
-            return self.cap
+            return self.best_drafting, False
+        if self.surprised and best != self.cap:
+            return self.cap, False
         if best == 1:  # one drafted token: whether the first slot is accepted decides it all
-            return 2
-        return self.stats.rng.choice([b for b in range(1, self.cap + 1) if b != best])
+            return 2, False
+        return self.stats.rng.choice([b for b in range(1, self.cap + 1) if b != best]), False
 
     def shadow_tokens(self) -> int:
         """Draft tokens to propose, unverified, alongside the plain step just chosen (0: none)."""
@@ -424,18 +625,47 @@ class AutoBlock:
     def observe(
         self, block: int, accepted: int, seconds: float,
         committed: Sequence[int] = (), proposals: Sequence[int] = (), handed_off: int = 0,
+        context: Optional[int] = None,
     ) -> None:
         """What a cycle did: its size, accepted drafts, wall time and the tokens it committed;
         ``proposals``: the shadow drafted alongside it; ``handed_off``: plain steps whose features
-        it gave the draft. Either makes its time something else than its size's cost."""
+        it gave the draft (either makes its time something else than its size's cost: a shadow's is
+        learnt apart, a hand-off's not at all); ``context``: tokens in the target's cache now."""
+        if context is not None:
+            self.context = self.stats.context = context
         if proposals:
             self.shadow, self.shadow_matched = list(proposals), 0
         if self.shadow:
             self._compare_shadow(committed)
         if block > 1:
             self._learn(block - 1, accepted)
-        if not proposals and handed_off <= 1:
-            self.stats.costs.observe(block, seconds)
+        costs = self.stats.costs
+        if proposals:
+            costs.observe_shadow(seconds, self.context)
+        elif handed_off <= 1:
+            costs.observe(block, seconds, self.context)
+        self._charge(block, accepted, seconds, bool(proposals))
+
+    def _charge(self, block: int, accepted: int, seconds: float, shadowed: bool) -> None:
+        stats = self.stats
+        regret = 0.0
+        if self.exploring and self.bucket_cap:  # (with nothing measured when it was chosen: free)
+            if shadowed:  # the plain step commits what the best (b = 1) would have
+                regret = seconds - self.costs[0]
+            else:
+                regret = seconds - (1 + accepted) / self.rate
+            self.probe_regret += regret
+            stats.probe_regret += regret
+        if self.exploring:
+            self.probe_seconds += seconds
+            self.probe_cycles += 1
+            stats.probe_seconds += seconds
+            self.exploring = False
+        if self.bucket_cap:
+            bucket = self.bucket_cap if stats.bucket is None else stats.bucket
+            stats.bucket = min(bucket + PROBE_SHARE * seconds - regret, self.bucket_cap)
+        self.seconds += seconds
+        stats.seconds += seconds
 
     def _compare_shadow(self, committed: Sequence[int]) -> None:
         for token in committed:

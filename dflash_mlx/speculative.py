@@ -236,7 +236,8 @@ def speculative(
         now, started = time.perf_counter(), resolved
         resolved = now
         chooser.observe(block=cycle.block, accepted=commit.accepted, seconds=now - started, committed=commit.tokens,
-                        proposals=cycle.shadow.tolist() if cycle.shadow is not None else [], handed_off=cycle.handed_off)
+                        proposals=cycle.shadow.tolist() if cycle.shadow is not None else [],
+                        handed_off=cycle.handed_off, context=cache[0].offset)
         token = cycle.next_token.reshape(1)
     hand_off_pending()  # a finished stream leaves the draft's cache level with the target's
     yield commit
