@@ -66,3 +66,17 @@ def test_a_cancel_during_a_long_prefill_stops_it_between_chunks(engine, monkeypa
     # The engine is free, and the next request for that prompt goes on from where it stopped.
     kinds = asyncio.run(_events(engine, prompt, max_tokens=2))
     assert kinds.count("token") == 2 and engine.metrics.totals.cached_prompt_tokens >= fed
+
+
+def test_the_worker_starts_once_every_field_exists(engine, monkeypatch):
+    """The worker thread uses the engine's queue, caches, jobs and metrics: it starts last."""
+    fields_at_start = []
+
+    class Recording(threading.Thread):
+        def start(self):
+            fields_at_start.append(set(vars(self._target.__self__)))
+            super().start()
+
+    monkeypatch.setattr(threading, "Thread", Recording)
+    made = Engine(engine.model, engine.tokenizer, "tiny")
+    assert fields_at_start == [set(vars(made))]

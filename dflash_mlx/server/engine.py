@@ -135,11 +135,12 @@ class Engine:
         self.context_limit = context_limit if context_limit is not None else model_context_length(model)
         self.max_tokens_cap, self.block_tokens = max_tokens_cap, block_tokens
         self.pending: "queue.SimpleQueue[Job]" = queue.SimpleQueue()
-        threading.Thread(target=self._work, name="dflash-generate", daemon=True).start()
         # A pipelined target's caches live on every rank: none are kept between requests.
         self.prompt_caches = PromptCachePool(prompt_cache_bytes if model.pipeline is None else 0)
         self.jobs: set = set()  # submitted and not done
         self.metrics = Metrics()
+        # Last: the worker uses every field above.
+        threading.Thread(target=self._work, name="dflash-generate", daemon=True).start()
 
     def answer_budget(self, prompt_tokens: int, requested: Optional[int]) -> int:
         """Tokens an answer may have: what was asked (or the cap), within the context limit,
