@@ -232,6 +232,26 @@ def test_greedy_chat_equals_dflash_generate(client, local):
     assert reply.usage.completion_tokens <= 24 and reply.choices[0].finish_reason in ("length", "stop")
 
 
+def test_openai_message_forms(client, server, local):
+    """developer is system for the template; content given as text parts is their concatenation;
+    other parts are refused, naming their type. Compared with the target alone."""
+    model, tokenizer = local
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "Answer in "}, {"type": "text", "text": "Python."}]},
+             {"role": "user", "content": [{"type": "text", "text": "def fib"}, {"type": "text", "text": "onacci(n):"}]}]
+    plain = [{"role": "system", "content": "Answer in Python."}, {"role": "user", "content": "def fibonacci(n):"}]
+    reply = client.chat.completions.create(model="tiny", messages=parts, max_tokens=16, temperature=0)
+    assert reply.choices[0].message.content == generate(model, tokenizer, plain, max_tokens=16, use_draft=False)
+    as_system = client.chat.completions.create(model="tiny", messages=plain, max_tokens=16, temperature=0)
+    assert reply.usage.prompt_tokens == as_system.usage.prompt_tokens == len(
+        tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True))
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="tiny", max_tokens=4, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}])
+    error = refused.value.body
+    assert "'image_url'" in error["message"] and error["param"] == "messages[0].content[1]"
+
+
 def test_metrics_show_the_block_sizes_in_use(client, server):
     """The server runs the default, auto; /metrics counts its cycles per block size."""
     chat(client, "def fibonacci(n):", max_tokens=24)

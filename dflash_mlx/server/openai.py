@@ -120,7 +120,7 @@ async def models(engine: Engine = Depends(current_engine)):
 async def chat_completions(req: ChatRequest, request: Request, engine: Engine = Depends(current_engine)):
     check_model(engine, req.model)
     _unsupported(req)
-    messages = [_message_dict(m) for m in req.messages]
+    messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
     tools = req.tools if req.tools and req.tool_choice != "none" else None
     template_kwargs = dict(req.chat_template_kwargs or {})
     thinking = thinking_switch(req.chat_template_kwargs, req.reasoning_effort, req.reasoning)
@@ -165,10 +165,21 @@ async def completions(req: CompletionRequest, request: Request, engine: Engine =
 
 
 
-def _message_dict(m: Message) -> Dict[str, Any]:
+def _message_dict(m: Message, index: int) -> Dict[str, Any]:
+    """A message as the chat template takes it: content parts (text only) joined into one string,
+    the ``developer`` role (OpenAI's name for system instructions) as ``system``."""
     out = m.model_dump(exclude_none=True)
-    if isinstance(out.get("content"), list):  # OpenAI content parts: keep the text ones
-        out["content"] = "".join(p.get("text", "") for p in out["content"] if p.get("type") == "text")
+    if isinstance(out.get("content"), list):
+        texts = []
+        for j, part in enumerate(out["content"]):
+            kind, text = part.get("type"), part.get("text")
+            if kind != "text":
+                raise APIError(400, f"content parts of type {kind!r} are not supported (text only)",
+                               param=f"messages[{index}].content[{j}]", code="unsupported_content")
+            if not isinstance(text, str):
+                raise APIError(400, "a text content part needs a 'text' string", param=f"messages[{index}].content[{j}]")
+            texts.append(text)
+        out["content"] = "".join(texts)
     if out["role"] == "developer":
         out["role"] = "system"
     if "reasoning" in out and "reasoning_content" not in out:  # the alias some clients send back
