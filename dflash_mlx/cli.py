@@ -8,6 +8,7 @@ import sys
 import time
 import warnings
 from contextlib import contextmanager
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, List, Optional
 
@@ -137,6 +138,16 @@ def _sampling(temp: float, top_p: float, top_k: int, seed: Optional[int]) -> dic
     except ValueError as e:
         _fail(str(e))
     return dict(temp=temp, top_p=top_p, top_k=top_k, seed=seed)
+
+
+class LogLevel(str, Enum):
+    """mlx_lm.server's --log-level choices."""
+
+    DEBUG = "DEBUG"
+    INFO = "INFO"
+    WARNING = "WARNING"
+    ERROR = "ERROR"
+    CRITICAL = "CRITICAL"
 
 
 @app.command()
@@ -371,14 +382,22 @@ def serve(
     model_name: Annotated[Optional[str], typer.Option("--model-name", help="Model id clients ask for (default: the repo id, 'demo', or the target folder's name).")] = None,
     max_request_bytes: Annotated[int, typer.Option("--max-request-bytes", help="Reject request bodies larger than this.")] = 8 << 20,
     prompt_cache_gb: Annotated[float, typer.Option("--prompt-cache-gb", help="Memory for prefix caches kept between requests (GB): several token histories (a chat, an editor's completions) with their Gated DeltaNet checkpoints; the least recently used go first. The most recent one is always kept. Under mlx.launch none are kept.")] = 4.0,
+    log_level: Annotated[LogLevel, typer.Option("--log-level", case_sensitive=False, help="Logging level (as mlx_lm.server). At INFO a line per request: method and path, status, seconds, protocol, model, prompt tokens, reused (prefix-cache) tokens, generated tokens, finish reason; refusals (4xx) at WARNING.")] = LogLevel.INFO,
+    allowed_origins: Annotated[str, typer.Option("--allowed-origins", help="Origins browsers may call the server from (CORS), comma-separated; '*' (the default, as mlx_lm.server): any.")] = "*",
     stages: Stages = None,
     peer_timeout: PeerTimeout = 30.0,
 ) -> None:
-    """Serve an OpenAI-compatible API (chat, completions with FIM, models, health, metrics)."""
+    """Serve an OpenAI-compatible API (chat, completions with FIM, models, health, metrics) and
+    Anthropic's Messages and OpenAI's Responses APIs."""
+    import logging
+
     from .server import create_app, serve as run_server
 
     if prompt_cache_gb < 0:
         _fail(f"--prompt-cache-gb must not be negative (got {prompt_cache_gb})")
+    origins = [o.strip() for o in allowed_origins.split(",") if o.strip()]
+    log_level = LogLevel(log_level).value
+    logging.basicConfig(level=log_level, format="%(asctime)s - %(levelname)s - %(message)s")
     loaded, tokenizer = _load(model, draft, draft_quant, stages, peer_timeout)
     with _ranks(loaded):
         _check_block_tokens((loaded, tokenizer), block_tokens)
@@ -386,9 +405,10 @@ def serve(
         app_ = create_app(
             loaded, tokenizer, name, api_key=api_key, max_tokens_cap=max_tokens, context_limit=context_size,
             max_request_bytes=max_request_bytes, block_tokens=block_tokens, prompt_cache_bytes=int(prompt_cache_gb * 1e9),
+            allowed_origins=origins,
         )
         typer.secho(f"serving {name!r} on http://{host}:{port}/v1", err=True)
-        run_server(app_, host, port)
+        run_server(app_, host, port, log_level)
 
 
 @app.command()

@@ -240,3 +240,14 @@ def test_serve_refuses_a_negative_prompt_cache_budget_before_loading():
     done = cli("serve", "--model", "demo", "--prompt-cache-gb", "-1")
     assert done.returncode == 1 and "--prompt-cache-gb must not be negative (got -1.0)" in done.stderr
     assert "--prompt-cache-gb" in cli("serve", "--help").stdout and "--mlx-lm" in cli("bench", "--help").stdout
+
+
+def test_serve_log_level_and_origins():
+    done = in_process("serve", "-m", "missing", "--log-level", "LOUD")  # mlx_lm.server's choices only
+    assert done.exit_code == 2 and "--log-level" in done.stderr
+    import typer
+
+    from dflash_mlx.cli import app
+
+    helps = {p.opts[0]: p.help for p in typer.main.get_command(app).commands["serve"].params}  # what --help shows
+    assert "a line per request" in helps["--log-level"] and "'*'" in helps["--allowed-origins"]

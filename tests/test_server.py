@@ -171,12 +171,27 @@ def stopped_early(server):
     assert httpx.get(f"{server}/health").json()["queue_depth"] == 0
 
 
+def logged(process, pattern: str, timeout: float = 10.0) -> str:
+    """The server's log line matching ``pattern`` (written once the answer has gone out)."""
+    import re
+
+    deadline = time.time() + timeout
+    while True:
+        found = [line for line in server_log(process).splitlines() if re.search(pattern, line)]
+        if found or time.time() > deadline:
+            assert found, f"no log line matches {pattern!r}:\n{server_log(process)[-3000:]}"
+            return found[-1]
+        time.sleep(0.05)
+
+
 def test_a_dropped_non_streaming_request_frees_the_model(endless):
     """The client gives up on a non-streaming answer that would never end: the server sees the
-    disconnect and stops the generation."""
+    disconnect and stops the generation; the request's log line says it was cancelled."""
     process, url = endless
     with stopped_early(url), pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{url}/v1/chat/completions", json=ENDLESS_BODY, timeout=0.5)
+    line = logged(process, r"POST /v1/chat/completions 200 .* finish=cancelled")
+    assert "protocol=openai.chat model=target" in line and "generated_tokens=" in line
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streaming", "whole"])
@@ -232,6 +247,25 @@ def test_greedy_chat_equals_dflash_generate(client, local):
     assert reply.usage.completion_tokens <= 24 and reply.choices[0].finish_reason in ("length", "stop")
 
 
+def test_cors_follows_allowed_origins(local):
+    from fastapi.testclient import TestClient
+
+    from dflash_mlx.server import create_app
+
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    anyone = TestClient(create_app(*local, "tiny"))  # the default, as mlx_lm.server: '*'
+    r = anyone.options("/v1/chat/completions", headers={"Origin": "https://app.example", **preflight})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    assert "authorization" in r.headers["access-control-allow-headers"].lower()
+    only = TestClient(create_app(*local, "tiny", allowed_origins=["https://app.example"]))
+    r = only.options("/v1/chat/completions", headers={"Origin": "https://app.example", **preflight})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+    r = only.options("/v1/chat/completions", headers={"Origin": "https://evil.example", **preflight})
+    assert "access-control-allow-origin" not in r.headers
+    r = only.get("/v1/models", headers={"Origin": "https://app.example"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+
+
 def test_openai_message_forms(client, server, local):
     """developer is system for the template; content given as text parts is their concatenation;
     other parts are refused, naming their type. Compared with the target alone."""
@@ -250,6 +284,21 @@ def test_openai_message_forms(client, server, local):
             {"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}])
     error = refused.value.body
     assert "'image_url'" in error["message"] and error["param"] == "messages[0].content[1]"
+
+
+def test_every_request_leaves_a_log_line(endless):
+    process, url = endless
+    body = {**ENDLESS_BODY, "max_tokens": 3}
+    for _ in range(2):  # the second reuses the first's prompt from the prefix cache
+        httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    logged(process, r"INFO - POST /v1/chat/completions 200 \d+\.\d+s protocol=openai.chat model=target "
+                    r"prompt_tokens=\d+ reused_tokens=[1-9]\d* generated_tokens=3 finish=length$")
+    refused = httpx.post(f"{url}/v1/chat/completions", json={**body, "model": "gpt-4"})
+    assert refused.status_code == 404
+    logged(process, r"WARNING - POST /v1/chat/completions 404 \d+\.\d+s protocol=openai.chat model=gpt-4 "
+                    r"prompt_tokens=- reused_tokens=- generated_tokens=- finish=-$")
+    assert httpx.post(f"{url}/v1/messages", json={"model": "target"}).status_code == 400  # no messages: refused
+    logged(process, r"WARNING - POST /v1/messages 400 .* protocol=anthropic.messages model=- ")
 
 
 def test_metrics_show_the_block_sizes_in_use(client, server):

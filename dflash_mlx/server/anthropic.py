@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .engine import ContextFull, Engine, Job, collect, current_engine, job_events
+from .engine import ContextFull, Engine, Job, collect, current_engine, job_events, note
 from .errors import APIError
 from .tool_calls import ToolCallScanner, answer_parts
 
@@ -125,6 +125,7 @@ async def _prompt(engine: Engine, req: CountTokensRequest) -> List[int]:
 
 
 def _check_model(engine: Engine, name: str) -> None:
+    note(model=name)
     if name != engine.name:
         raise APIError(404, f"model {name!r} not found; this server serves {engine.name!r}", "not_found_error", param="model")
 
@@ -132,7 +133,9 @@ def _check_model(engine: Engine, name: str) -> None:
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(req: CountTokensRequest, engine: Engine = Depends(current_engine)):
     _check_model(engine, req.model)
-    return {"input_tokens": len(await _prompt(engine, req))}
+    prompt = await _prompt(engine, req)
+    note(prompt_tokens=len(prompt))
+    return {"input_tokens": len(prompt)}
 
 
 @router.post("/v1/messages")

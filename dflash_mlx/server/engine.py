@@ -20,6 +20,7 @@ import queue
 import sys
 import threading
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Union
 
@@ -47,6 +48,18 @@ def model_context_length(model: DFlashModel) -> Optional[int]:
 
 class ContextFull(ValueError):
     """A prompt that leaves no room for an answer within the context limit."""
+
+
+# The request being answered, for its log line: the routes and the engine note what they learn
+# (model, prompt tokens, the job), app.AccessLog writes the line once the answer has gone out.
+REQUEST_RECORD: ContextVar[Optional[Dict[str, Any]]] = ContextVar("dflash_request_record", default=None)
+
+
+def note(**fields) -> None:
+    """Add to the current request's log line (nothing outside a request)."""
+    record = REQUEST_RECORD.get()
+    if record is not None:
+        record.update(fields)
 
 
 @dataclass
@@ -113,6 +126,8 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     # Why the server cancelled it (told to the client as a 503); None: the client went away.
     cancel_reason: Optional[str] = None
+    last: Optional[GenerationResponse] = None  # the latest token's response (for the request's log line)
+    error: Optional[str] = None  # why the generation failed, if it did
 
     def cancel(self, reason: Optional[str] = None) -> None:
         self.cancel_reason = self.cancel_reason or reason
@@ -145,6 +160,7 @@ class Engine:
     def answer_budget(self, prompt_tokens: int, requested: Optional[int]) -> int:
         """Tokens an answer may have: what was asked (or the cap), within the context limit,
         which counts the prompt and the answer together."""
+        note(prompt_tokens=prompt_tokens)
         limit = self.context_limit
         if limit is not None and prompt_tokens >= limit:
             raise ContextFull(f"prompt has {prompt_tokens} tokens; the context limit is {limit} (prompt and answer together)")
@@ -173,6 +189,7 @@ class Engine:
         self.metrics.count("queued")
         self.jobs.add(job)
         self.pending.put(job)
+        note(job=job)
         return job
 
     def cancel_all(self, reason: str = "the server is shutting down") -> None:
@@ -202,6 +219,7 @@ class Engine:
                 stream = stream_generate(self.model, self.tokenizer, job.prompt, prompt_cache=pool,
                                          cancelled=job.cancelled.is_set, **job.options)
                 for last in stream:
+                    job.last = last
                     if job.cancelled.is_set():
                         stream.close()
                         break
@@ -215,12 +233,14 @@ class Engine:
                 self.metrics.add(last)
         except PeerLost as e:  # a pipelined target lost a rank: nothing more can be served
             self.metrics.count("errors")
+            job.error = str(e)
             job.emit("error", (500, str(e)))
             _stop_process(str(e))
         except Exception as e:  # reported to the client as a 500, logged in full here
             LOG.exception("generation failed")
             self.metrics.count("errors")
-            job.emit("error", (500, f"{type(e).__name__}: {e}"))
+            job.error = f"{type(e).__name__}: {e}"
+            job.emit("error", (500, job.error))
         finally:
             self.metrics.prompt_cache_bytes = self.prompt_caches.nbytes
             self.metrics.prompt_cache_histories = len(self.prompt_caches.histories)

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..api import GenerationResponse, encode_prompt
-from .engine import ContextFull, Engine, Job, collect, current_engine, job_events
+from .engine import ContextFull, Engine, Job, collect, current_engine, job_events, note
 from .errors import APIError, error_body
 from ..reasoning import ReasoningSplitter, thinking_switch
 from .tool_calls import ToolCall, ToolCallScanner, split_text_and_calls
@@ -96,6 +96,7 @@ def _unsupported(req: SamplingRequest) -> None:
 
 
 def check_model(engine: Engine, name: str) -> None:
+    note(model=name)
     if name != engine.name:
         raise APIError(404, f"model {name!r} not found; this server serves {engine.name!r}", param="model", code="model_not_found")
 

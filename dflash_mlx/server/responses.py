@@ -17,7 +17,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .engine import ContextFull, Engine, Job, collect, current_engine, job_events
+from .engine import ContextFull, Engine, Job, collect, current_engine, job_events, note
 from .errors import APIError
 from ..reasoning import thinking_switch
 from .tool_calls import ToolCall, ToolCallScanner, answer_parts
@@ -123,6 +123,7 @@ def _tools(req: ResponsesRequest) -> Optional[List[Dict[str, Any]]]:
 
 @router.post("/v1/responses")
 async def responses(req: ResponsesRequest, request: Request, engine: Engine = Depends(current_engine)):
+    note(model=req.model)
     if req.model != engine.name:
         raise APIError(404, f"model {req.model!r} not found; this server serves {engine.name!r}", param="model",
                        code="model_not_found")
