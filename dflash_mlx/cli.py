@@ -378,7 +378,7 @@ def serve(
     port: Annotated[int, typer.Option("--port", help="TCP port.")] = 8080,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="DFLASH_MLX_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 endpoints.")] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Cap on tokens generated per request.")] = 4096,
-    context_size: Annotated[Optional[int], typer.Option("--context-size", help="Context limit in tokens, prompt and answer together: longer prompts are refused (400), answers stop where the context is full. Default: the target's max_position_embeddings.")] = None,
+    context_size: Annotated[Optional[int], typer.Option("--context-size", help="Context limit in tokens, prompt and answer together: a prompt that leaves no room for an answer is refused (400, with the numbers), answers stop where the context is full. Default: the longest context whose caches fit in this machine's memory (MLX's recommended working set on a Mac, physical memory elsewhere; doctor's estimate) beside the weights and --prompt-cache-gb, at most the target's max_position_embeddings.")] = None,
     model_name: Annotated[Optional[str], typer.Option("--model-name", help="Model id clients ask for (default: the repo id, 'demo', or the target folder's name).")] = None,
     max_request_bytes: Annotated[int, typer.Option("--max-request-bytes", help="Reject request bodies larger than this.")] = 8 << 20,
     prompt_cache_gb: Annotated[float, typer.Option("--prompt-cache-gb", help="Memory for prefix caches kept between requests (GB): several token histories (a chat, an editor's completions) with their Gated DeltaNet checkpoints; the least recently used go first. The most recent one is always kept. Under mlx.launch none are kept.")] = 4.0,
@@ -395,6 +395,8 @@ def serve(
 
     if prompt_cache_gb < 0:
         _fail(f"--prompt-cache-gb must not be negative (got {prompt_cache_gb})")
+    if context_size is not None and context_size < 1:
+        _fail(f"--context-size must be at least 1 (got {context_size})")
     origins = [o.strip() for o in allowed_origins.split(",") if o.strip()]
     log_level = LogLevel(log_level).value
     logging.basicConfig(level=log_level, format="%(asctime)s - %(levelname)s - %(message)s")
@@ -405,9 +407,11 @@ def serve(
         app_ = create_app(
             loaded, tokenizer, name, api_key=api_key, max_tokens_cap=max_tokens, context_limit=context_size,
             max_request_bytes=max_request_bytes, block_tokens=block_tokens, prompt_cache_bytes=int(prompt_cache_gb * 1e9),
-            allowed_origins=origins,
+            allowed_origins=origins, draft_quant=draft_quant,
         )
-        typer.secho(f"serving {name!r} on http://{host}:{port}/v1", err=True)
+        engine = app_.state.engine
+        typer.secho(f"serving {name!r} on http://{host}:{port}/v1; context limit {engine.context_limit} tokens "
+                    f"({engine.context_source})", err=True)
         run_server(app_, host, port, log_level)
 
 

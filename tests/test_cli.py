@@ -242,7 +242,7 @@ def test_serve_refuses_a_negative_prompt_cache_budget_before_loading():
     assert "--prompt-cache-gb" in cli("serve", "--help").stdout and "--mlx-lm" in cli("bench", "--help").stdout
 
 
-def test_serve_log_level_and_origins():
+def test_serve_log_level_origins_and_context_size():
     done = in_process("serve", "-m", "missing", "--log-level", "LOUD")  # mlx_lm.server's choices only
     assert done.exit_code == 2 and "--log-level" in done.stderr
     import typer
@@ -251,3 +251,6 @@ def test_serve_log_level_and_origins():
 
     helps = {p.opts[0]: p.help for p in typer.main.get_command(app).commands["serve"].params}  # what --help shows
     assert "a line per request" in helps["--log-level"] and "'*'" in helps["--allowed-origins"]
+    done = in_process("serve", "-m", "missing", "--context-size", "0")
+    assert done.exit_code == 1 and "--context-size must be at least 1 (got 0)" in done.stderr
+    assert "fit" in helps["--context-size"]

@@ -247,6 +247,35 @@ def test_greedy_chat_equals_dflash_generate(client, local):
     assert reply.usage.completion_tokens <= 24 and reply.choices[0].finish_reason in ("length", "stop")
 
 
+def test_the_default_context_limit_follows_the_memory(local, pair):
+    """Without --context-size: the longest context whose caches (doctor's estimate) fit beside the
+    weights and the prefix caches' budget, capped by the target's own limit; a prompt that
+    leaves no room is refused with the numbers."""
+    from dflash_mlx import device
+    from dflash_mlx.doctor import estimate_memory
+    from dflash_mlx.server import Engine
+    from dflash_mlx.server.engine import ContextFull, memory_context_limit
+
+    model, tokenizer = local
+    target, draft = pair
+
+    def need(context):
+        return sum(estimate_memory(target, draft, None, context, draft_dtype=device.draft_activation_dtype()).values())
+
+    reserve = 1 << 20
+    engine = Engine(model, tokenizer, "tiny", memory_bytes=need(1000) + reserve, prompt_cache_bytes=reserve)
+    limit = engine.context_limit
+    assert need(limit) <= need(1000) < need(limit + 1) and limit >= 1000
+    assert "memory" in engine.context_source
+    with pytest.raises(ContextFull, match=rf"the prompt has {limit} tokens and max_tokens is 16 \({limit + 16} in all\); "
+                                          rf"the context limit is {limit} tokens"):
+        engine.answer_budget(limit, 16)
+    assert engine.answer_budget(limit - 5, 16) == 5  # an answer that does not fit stops at the limit
+    assert memory_context_limit(model, memory_bytes=1 << 50, upper=4096) == 4096  # the target's own limit caps it
+    assert memory_context_limit(model, memory_bytes=need(1) - 1, upper=4096) == 0
+    assert Engine(model, tokenizer, "tiny", memory_bytes=1 << 50).context_limit == 4096  # max_position_embeddings
+
+
 def test_cors_follows_allowed_origins(local):
     from fastapi.testclient import TestClient
 
@@ -409,7 +438,9 @@ def test_bad_requests_get_openai_errors(server, client):
         (dict(json={**good, "messages": "hello"}), 400, "messages"),
         (dict(json={**good, "model": "gpt-4"}), 404, "not found"),
         (dict(json={**good, "n": 2}), 400, "only n=1"),
-        (dict(json={**good, "messages": [{"role": "user", "content": "word " * 700}]}), 400, "context limit"),
+        (dict(json={**good, "messages": [{"role": "user", "content": "word " * 700}]}), 400,
+         "tokens and max_tokens is 2 ("),  # the numbers: prompt tokens, max_tokens, both, the limit
+        (dict(json={**good, "messages": [{"role": "user", "content": "word " * 700}]}), 400, "the context limit is 600 tokens"),
         (dict(content=b"x" * 300000), 413, "larger than"),
     ]
     for kwargs, status, message in cases:

@@ -205,11 +205,16 @@ def create_app(
     block_tokens: Union[None, int, str] = "auto",
     prompt_cache_bytes: int = 4 << 30,
     allowed_origins: Sequence[str] = ("*",),
+    draft_quant: Optional[str] = None,
+    memory_bytes: Optional[int] = None,
 ) -> FastAPI:
-    """The server's app. ``context_limit`` defaults to the target's ``max_position_embeddings``;
-    ``prompt_cache_bytes`` bounds the prefix caches kept between requests; ``allowed_origins``:
-    the origins browsers may call from (CORS; ``*``: any)."""
-    engine = Engine(model, tokenizer, model_name, context_limit, max_tokens_cap, block_tokens, prompt_cache_bytes)
+    """The server's app. ``context_limit`` defaults to the longest context that fits in memory
+    (``memory_bytes``, default this machine's) beside the pair's weights (``draft_quant``: how the
+    draft was quantized at load) and ``prompt_cache_bytes`` (the prefix caches kept between
+    requests), at most the target's ``max_position_embeddings``. ``allowed_origins``: the origins
+    browsers may call from (CORS; ``*``: any)."""
+    engine = Engine(model, tokenizer, model_name, context_limit, max_tokens_cap, block_tokens, prompt_cache_bytes,
+                    draft_quant=draft_quant, memory_bytes=memory_bytes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -22,6 +22,7 @@ import threading
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
 from starlette.requests import Request
@@ -44,6 +45,44 @@ def model_context_length(model: DFlashModel) -> Optional[int]:
     config = read_config(model.target_path)
     value = (config.get("text_config") or config).get("max_position_embeddings", config.get("max_position_embeddings"))
     return int(value) if value else None
+
+
+def memory_context_limit(model: DFlashModel, draft_quant: Optional[str] = None, memory_bytes: Optional[int] = None,
+                         reserve: int = 0, upper: Optional[int] = None) -> Optional[int]:
+    """The longest context (prompt and answer, in tokens, at most ``upper``) whose caches fit in
+    ``memory_bytes`` (default: this machine's, as ``doctor`` counts it: MLX's recommended working
+    set on a Mac, physical memory elsewhere) beside the pair's weights and ``reserve`` bytes (the
+    prefix caches' budget), by ``doctor``'s estimate of the pair's memory at a context. None when
+    it cannot be known (no target folder, a pipelined target, no memory size)."""
+    from .. import device as device_lib
+    from ..doctor import estimate_memory
+
+    if model.target_path is None or model.pipeline is not None:
+        return None
+    facts = device_lib.facts()
+    memory_bytes = memory_bytes or facts.recommended_working_set or facts.memory_bytes
+    dtype = device_lib.draft_activation_dtype(facts)  # as `load` computes the draft by default
+    if not memory_bytes:
+        return None
+    draft_dir = model.draft_path if model.draft is not None else None
+    quant = None if draft_quant in (None, "none") else draft_quant
+
+    def fits(context: int) -> bool:
+        need = estimate_memory(Path(model.target_path), draft_dir and Path(draft_dir), quant, context, draft_dtype=dtype)
+        return sum(need.values()) + reserve <= memory_bytes
+
+    upper = upper or 1 << 20
+    try:
+        if fits(upper):
+            return upper
+    except Exception as e:  # a layout the estimate does not know: the target's own limit then
+        LOG.warning("cannot estimate the memory of this pair (%s: %s): the context limit is the target's own", type(e).__name__, e)
+        return None
+    low, high = 0, upper  # fits(low) or low == 0; not fits(high)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
 
 
 class ContextFull(ValueError):
@@ -141,13 +180,24 @@ class Job:
 
 
 class Engine:
-    """The model, its limits and its caches, shared by every protocol's routes."""
+    """The model, its limits and its caches, shared by every protocol's routes.
+
+    ``context_limit`` None: the longest context that fits this machine's memory (``memory_bytes``
+    to say another size) beside the weights and the prefix caches' budget, at most the target's
+    ``max_position_embeddings``."""
 
     def __init__(self, model: DFlashModel, tokenizer, name: str, context_limit: Optional[int] = None,
                  max_tokens_cap: int = 4096, block_tokens: Union[None, int, str] = "auto",
-                 prompt_cache_bytes: int = 4 << 30):
+                 prompt_cache_bytes: int = 4 << 30, draft_quant: Optional[str] = None, memory_bytes: Optional[int] = None):
         self.model, self.tokenizer, self.name = model, tokenizer, name
-        self.context_limit = context_limit if context_limit is not None else model_context_length(model)
+        self.context_source = "--context-size"
+        if context_limit is None:
+            context_limit = own = model_context_length(model)
+            self.context_source = "the target's max_position_embeddings"
+            fits = memory_context_limit(model, draft_quant, memory_bytes, prompt_cache_bytes if model.pipeline is None else 0, own)
+            if fits is not None and (own is None or fits < own):
+                context_limit, self.context_source = fits, "what fits in memory beside the weights and --prompt-cache-gb"
+        self.context_limit = context_limit
         self.max_tokens_cap, self.block_tokens = max_tokens_cap, block_tokens
         self.pending: "queue.SimpleQueue[Job]" = queue.SimpleQueue()
         # A pipelined target's caches live on every rank: none are kept between requests.
@@ -159,12 +209,15 @@ class Engine:
 
     def answer_budget(self, prompt_tokens: int, requested: Optional[int]) -> int:
         """Tokens an answer may have: what was asked (or the cap), within the context limit,
-        which counts the prompt and the answer together."""
+        which counts the prompt and the answer together. A prompt that leaves no room for an
+        answer is refused (``ContextFull``, with the numbers)."""
         note(prompt_tokens=prompt_tokens)
         limit = self.context_limit
-        if limit is not None and prompt_tokens >= limit:
-            raise ContextFull(f"prompt has {prompt_tokens} tokens; the context limit is {limit} (prompt and answer together)")
         budget = min(requested or self.max_tokens_cap, self.max_tokens_cap)
+        if limit is not None and prompt_tokens >= limit:
+            raise ContextFull(f"the prompt has {prompt_tokens} tokens and max_tokens is {budget} ({prompt_tokens + budget} "
+                              f"in all); the context limit is {limit} tokens, prompt and answer together, and the "
+                              "prompt leaves no room for an answer")
         return budget if limit is None else min(budget, limit - prompt_tokens)
 
     async def render(self, messages: List[Dict[str, Any]], tools=None, param: str = "messages", **template_kwargs) -> List[int]:
