@@ -34,9 +34,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What the module's pair ships in generation_config.json (Qwen3.5 ships its sampling there): a
+# request that gives no sampling fields is greedy.
+GENERATION_CONFIG = {"temperature": 0.0, "top_p": 0.95, "top_k": 20}
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    return tiny.write_pair(tmp_path_factory.mktemp("serve"))
+    target, draft = tiny.write_pair(tmp_path_factory.mktemp("serve"))
+    (target / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
+    return target, draft
 
 
 def start_server(target, draft, *options):
@@ -101,13 +108,15 @@ def endless_pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def endless(endless_pair):
-    """A server on the endless pair: (process, url)."""
-    process, url = start_server(*endless_pair, "--max-tokens", str(ENDLESS_TOKENS), "--context-size", str(ENDLESS_TOKENS))
+    """A server on the endless pair (thinking off for every request by --chat-template-args):
+    (process, url)."""
+    process, url = start_server(*endless_pair, "--max-tokens", str(ENDLESS_TOKENS), "--context-size", str(ENDLESS_TOKENS),
+                                "--chat-template-args", '{"enable_thinking": false}')
     yield process, url
     stop_server(process)
 
 
-# The endless pair answers its line after a generation prompt that ends a line (thinking on).
+# The endless pair answers its line after a generation prompt that ends a line: thinking on.
 ENDLESS_BODY = {"model": "target", "messages": [{"role": "user", "content": "go on forever"}], "temperature": 0,
                 "max_tokens": ENDLESS_TOKENS, "chat_template_kwargs": {"enable_thinking": True}}
 
@@ -247,6 +256,30 @@ def test_greedy_chat_equals_dflash_generate(client, local):
     assert reply.usage.completion_tokens <= 24 and reply.choices[0].finish_reason in ("length", "stop")
 
 
+def test_a_request_without_sampling_fields_follows_generation_config(client, server, local):
+    """The pair's generation_config.json says temperature 0: a request that gives no sampling
+    field is greedy, its text the target's own (no draft); the Responses object reports the
+    defaults it was sampled with (generation_config's top_p)."""
+    model, tokenizer = local
+    messages = [{"role": "user", "content": "class Queue:"}]
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=24)  # the SDK sends no temperature
+    assert reply.choices[0].message.content == generate(model, tokenizer, messages, max_tokens=24, use_draft=False)
+    response = httpx.post(f"{server}/v1/responses", headers={"Authorization": f"Bearer {KEY}"},
+                          json={"model": "tiny", "input": "hi", "max_output_tokens": 2}).json()
+    assert (response["temperature"], response["top_p"]) == (0.0, 0.95)
+
+
+def test_sampling_defaults_request_then_flags_then_generation_config(tmp_path):
+    from dflash_mlx.server.engine import sampling_defaults
+
+    assert sampling_defaults(tmp_path) == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}  # mlx_lm.server's
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 5, "do_sample": True}))  # min_p 5: refused, left out
+    assert sampling_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0}
+    flags = {"temperature": 0.0, "top_p": None, "top_k": 4, "min_p": None}  # serve --temp 0 --top-k 4
+    assert sampling_defaults(tmp_path, flags) == {"temperature": 0.0, "top_p": 0.95, "top_k": 4, "min_p": 0.0}
+
+
 def test_the_default_context_limit_follows_the_memory(local, pair):
     """Without --context-size: the longest context whose caches (doctor's estimate) fit beside the
     weights and the prefix caches' budget, capped by the target's own limit; a prompt that
@@ -313,6 +346,29 @@ def test_openai_message_forms(client, server, local):
             {"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}])
     error = refused.value.body
     assert "'image_url'" in error["message"] and error["param"] == "messages[0].content[1]"
+
+
+def test_chat_template_args_apply_under_the_requests_own(endless, endless_pair):
+    """--chat-template-args '{"enable_thinking": false}' reaches every protocol's template; a
+    request's chat_template_kwargs win."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    _, url = endless
+    tokenizer = load_tokenizer(endless_pair[0])
+    messages = [{"role": "user", "content": "hello"}]
+
+    def tokens(thinking):
+        return len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, enable_thinking=thinking))
+
+    assert tokens(False) != tokens(True)
+    body = {"model": "target", "messages": messages, "max_tokens": 1}
+    usage = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["usage"]
+    assert usage["prompt_tokens"] == tokens(False)
+    body["chat_template_kwargs"] = {"enable_thinking": True}
+    usage = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["usage"]
+    assert usage["prompt_tokens"] == tokens(True)
+    counted = httpx.post(f"{url}/v1/messages/count_tokens", json={"model": "target", "messages": messages}).json()
+    assert counted["input_tokens"] == tokens(False)
 
 
 def test_every_request_leaves_a_log_line(endless):

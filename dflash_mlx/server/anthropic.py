@@ -62,7 +62,7 @@ class CountTokensRequest(BaseModel):
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(..., ge=1)
     stop_sequences: Optional[List[str]] = None
-    temperature: float = Field(1.0, ge=0.0, le=1.0)
+    temperature: Optional[float] = Field(None, ge=0.0, le=1.0)  # left out: the server's default
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
     top_k: Optional[int] = Field(None, ge=0)
     stream: bool = False
@@ -146,8 +146,8 @@ async def messages(req: MessagesRequest, request: Request, engine: Engine = Depe
         budget = engine.answer_budget(len(prompt), req.max_tokens)
     except ContextFull as e:
         raise APIError(400, str(e), param="messages") from e
-    job = engine.submit(prompt, dict(max_tokens=budget, temp=req.temperature, top_p=req.top_p or 1.0,
-                                     top_k=req.top_k or 0, stop=req.stop_sequences or []))
+    job = engine.submit(prompt, dict(max_tokens=budget, stop=req.stop_sequences or [],
+                                     **engine.sampling_options(req.temperature, req.top_p, req.top_k)))
     tools = _tools(req)
     reply = _Reply(engine.name, engine.splitter(prompt), lambda: ToolCallScanner(engine.tokenizer if tools else None, tools))
     if req.stream:

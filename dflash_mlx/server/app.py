@@ -204,6 +204,8 @@ def create_app(
     max_request_bytes: int = 8 << 20,
     block_tokens: Union[None, int, str] = "auto",
     prompt_cache_bytes: int = 4 << 30,
+    sampling: Optional[Dict[str, Any]] = None,
+    chat_template_args: Optional[Dict[str, Any]] = None,
     allowed_origins: Sequence[str] = ("*",),
     draft_quant: Optional[str] = None,
     memory_bytes: Optional[int] = None,
@@ -211,10 +213,13 @@ def create_app(
     """The server's app. ``context_limit`` defaults to the longest context that fits in memory
     (``memory_bytes``, default this machine's) beside the pair's weights (``draft_quant``: how the
     draft was quantized at load) and ``prompt_cache_bytes`` (the prefix caches kept between
-    requests), at most the target's ``max_position_embeddings``. ``allowed_origins``: the origins
-    browsers may call from (CORS; ``*``: any)."""
+    requests), at most the target's ``max_position_embeddings``. ``sampling``: the defaults for
+    a request's temperature, top_p, top_k and min_p, over the target's generation_config.json;
+    ``chat_template_args``: for every request's chat template (the request's own win);
+    ``allowed_origins``: the origins browsers may call from (CORS; ``*``: any)."""
     engine = Engine(model, tokenizer, model_name, context_limit, max_tokens_cap, block_tokens, prompt_cache_bytes,
-                    draft_quant=draft_quant, memory_bytes=memory_bytes)
+                    sampling=sampling, chat_template_args=chat_template_args, draft_quant=draft_quant,
+                    memory_bytes=memory_bytes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -14,6 +14,7 @@ idle (``Engine.stop``), not ending the thread.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import queue
@@ -83,6 +84,53 @@ def memory_context_limit(model: DFlashModel, draft_quant: Optional[str] = None, 
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
     return low
+
+
+# The sampling settings a request leaves out come from the server's flags, then the target's
+# generation_config.json, then mlx_lm.server's defaults (greedy, no filters).
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p")
+FALLBACK_SAMPLING = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+
+
+def generation_config_sampling(folder: Optional[Path]) -> Dict[str, float]:
+    """The sampling fields of a target folder's ``generation_config.json`` ({} without one). A
+    value the sampler would refuse is left out, with a warning."""
+    from ..sampling import Sampler
+
+    path = Path(folder) / "generation_config.json" if folder is not None else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        LOG.warning("ignoring %s: %s", path, e)
+        return {}
+    out = {}
+    for name in SAMPLING_FIELDS:
+        value = config.get(name) if isinstance(config, dict) else None
+        if value is None:
+            continue
+        try:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            value = int(value) if name == "top_k" else float(value)
+            Sampler(**{**FALLBACK_SAMPLING, name: value})
+        except ValueError as e:
+            LOG.warning("ignoring %s of %s: %s", name, path, e)
+            continue
+        out[name] = value
+    return out
+
+
+def sampling_defaults(folder: Optional[Path], overrides: Optional[Dict[str, Any]] = None) -> Dict[str, float]:
+    """What a request that leaves a sampling field out gets: ``overrides`` (the server's
+    --temp/--top-p/--top-k/--min-p, None where not given) over the target's
+    ``generation_config.json`` over mlx_lm.server's defaults."""
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    unknown = set(given) - set(SAMPLING_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown sampling settings: {sorted(unknown)}")
+    return {**FALLBACK_SAMPLING, **generation_config_sampling(folder), **given}
 
 
 class ContextFull(ValueError):
@@ -184,11 +232,16 @@ class Engine:
 
     ``context_limit`` None: the longest context that fits this machine's memory (``memory_bytes``
     to say another size) beside the weights and the prefix caches' budget, at most the target's
-    ``max_position_embeddings``."""
+    ``max_position_embeddings``. ``sampling``: the server's defaults for a request's temperature,
+    top_p, top_k, min_p (None: not given), over the target's generation_config.json.
+    ``chat_template_args``: passed to the chat template for every request (a request's own
+    template arguments win)."""
 
     def __init__(self, model: DFlashModel, tokenizer, name: str, context_limit: Optional[int] = None,
                  max_tokens_cap: int = 4096, block_tokens: Union[None, int, str] = "auto",
-                 prompt_cache_bytes: int = 4 << 30, draft_quant: Optional[str] = None, memory_bytes: Optional[int] = None):
+                 prompt_cache_bytes: int = 4 << 30, sampling: Optional[Dict[str, Any]] = None,
+                 chat_template_args: Optional[Dict[str, Any]] = None, draft_quant: Optional[str] = None,
+                 memory_bytes: Optional[int] = None):
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.context_source = "--context-size"
         if context_limit is None:
@@ -199,6 +252,8 @@ class Engine:
                 context_limit, self.context_source = fits, "what fits in memory beside the weights and --prompt-cache-gb"
         self.context_limit = context_limit
         self.max_tokens_cap, self.block_tokens = max_tokens_cap, block_tokens
+        self.sampling = sampling_defaults(model.target_path, sampling)
+        self.chat_template_args = dict(chat_template_args or {})
         self.pending: "queue.SimpleQueue[Job]" = queue.SimpleQueue()
         # A pipelined target's caches live on every rank: none are kept between requests.
         self.prompt_caches = PromptCachePool(prompt_cache_bytes if model.pipeline is None else 0)
@@ -206,6 +261,12 @@ class Engine:
         self.metrics = Metrics()
         # Last: the worker uses every field above.
         threading.Thread(target=self._work, name="dflash-generate", daemon=True).start()
+
+    def sampling_options(self, temperature=None, top_p=None, top_k=None, min_p=None) -> Dict[str, Any]:
+        """A request's sampling as ``stream_generate`` takes it: what it gave, else the defaults."""
+        given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+        chosen = {k: (self.sampling[k] if v is None else v) for k, v in given.items()}
+        return dict(temp=chosen["temperature"], top_p=chosen["top_p"], top_k=chosen["top_k"], min_p=chosen["min_p"])
 
     def answer_budget(self, prompt_tokens: int, requested: Optional[int]) -> int:
         """Tokens an answer may have: what was asked (or the cap), within the context limit,
@@ -221,8 +282,10 @@ class Engine:
         return budget if limit is None else min(budget, limit - prompt_tokens)
 
     async def render(self, messages: List[Dict[str, Any]], tools=None, param: str = "messages", **template_kwargs) -> List[int]:
-        """The prompt's token ids through the chat template, off the event loop (a long
-        conversation takes a while to render and tokenize); a template error is a 400."""
+        """The prompt's token ids through the chat template (with the server's
+        ``chat_template_args`` under the request's own), off the event loop (a long conversation
+        takes a while to render and tokenize); a template error is a 400."""
+        template_kwargs = {**self.chat_template_args, **template_kwargs}
         try:
             ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, tools=tools,
                                           add_generation_prompt=True, tokenize=True, **template_kwargs)

@@ -40,10 +40,12 @@ class SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str
     max_tokens: Optional[int] = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    min_p: float = Field(0.0, ge=0.0, lt=1.0)
+    # Left out: the server's defaults (its --temp/--top-p/--top-k/--min-p, else the target's
+    # generation_config.json, else greedy with no filters).
+    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(None, ge=0)
+    min_p: Optional[float] = Field(None, ge=0.0, lt=1.0)
     seed: Optional[int] = None
     stop: Optional[Union[str, List[str]]] = None
     stream: bool = False
@@ -108,8 +110,8 @@ def options(engine: Engine, req: SamplingRequest, max_tokens: Optional[int], pro
     except ContextFull as e:
         raise APIError(400, str(e), param="messages", code="context_length_exceeded") from e
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-    return dict(max_tokens=budget, temp=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                seed=req.seed, stop=stop)
+    return dict(max_tokens=budget, seed=req.seed, stop=stop,
+                **engine.sampling_options(req.temperature, req.top_p, req.top_k, req.min_p))
 
 
 @router.get("/v1/models")
