@@ -8,6 +8,7 @@ import sys
 import time
 import warnings
 from contextlib import contextmanager
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, List, Optional
 
@@ -133,10 +134,52 @@ def _sampling(temp: float, top_p: float, top_k: int, seed: Optional[int]) -> dic
     from .sampling import Sampler
 
     try:
-        Sampler(temp, top_p, top_k)
+        Sampler(temperature=temp, top_p=top_p, top_k=top_k)
     except ValueError as e:
         _fail(str(e))
     return dict(temp=temp, top_p=top_p, top_k=top_k, seed=seed)
+
+
+class LogLevel(str, Enum):
+    """mlx_lm.server's --log-level choices."""
+
+    DEBUG = "DEBUG"
+    INFO = "INFO"
+    WARNING = "WARNING"
+    ERROR = "ERROR"
+    CRITICAL = "CRITICAL"
+
+
+SAMPLING_PRECEDENCE = ("A request's own value wins; then this flag; then the target's generation_config.json; "
+                       "then greedy with no filters (mlx_lm.server's defaults).")
+
+
+def _sampling_defaults(temp: Optional[float], top_p: Optional[float], top_k: Optional[int], min_p: Optional[float]) -> dict:
+    """serve's --temp/--top-p/--top-k/--min-p (None: not given), checked as the sampler checks them."""
+    from .sampling import Sampler
+
+    given = dict(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+    flags = dict(temperature="--temp", top_p="--top-p", top_k="--top-k", min_p="--min-p")
+    for name, value in given.items():
+        if value is not None:
+            try:
+                Sampler(**{name: value})
+            except ValueError as e:
+                _fail(f"{flags[name]} {value}: {e}")
+    return given
+
+
+def _json_object(flag: str, text: Optional[str]) -> dict:
+    """A flag's JSON object (None: {}); anything else is one clear line naming the value."""
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        _fail(f"{flag} {text!r} is not valid JSON ({e}); give an object, e.g. '{{\"enable_thinking\": false}}'")
+    if not isinstance(value, dict):
+        _fail(f"{flag} {text!r} must be a JSON object (e.g. '{{\"enable_thinking\": false}}'), not {type(value).__name__}")
+    return value
 
 
 @app.command()
@@ -367,18 +410,35 @@ def serve(
     port: Annotated[int, typer.Option("--port", help="TCP port.")] = 8080,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="DFLASH_MLX_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 endpoints.")] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Cap on tokens generated per request.")] = 4096,
-    context_size: Annotated[Optional[int], typer.Option("--context-size", help="Context limit in tokens, prompt and answer together: longer prompts are refused (400), answers stop where the context is full. Default: the target's max_position_embeddings.")] = None,
+    context_size: Annotated[Optional[int], typer.Option("--context-size", help="Context limit in tokens, prompt and answer together: a prompt that leaves no room for an answer is refused (400, with the numbers), answers stop where the context is full. Default: the longest context whose caches fit in this machine's memory (MLX's recommended working set on a Mac, physical memory elsewhere; doctor's estimate) beside the weights and --prompt-cache-gb, at most the target's max_position_embeddings.")] = None,
     model_name: Annotated[Optional[str], typer.Option("--model-name", help="Model id clients ask for (default: the repo id, 'demo', or the target folder's name).")] = None,
     max_request_bytes: Annotated[int, typer.Option("--max-request-bytes", help="Reject request bodies larger than this.")] = 8 << 20,
     prompt_cache_gb: Annotated[float, typer.Option("--prompt-cache-gb", help="Memory for prefix caches kept between requests (GB): several token histories (a chat, an editor's completions) with their Gated DeltaNet checkpoints; the least recently used go first. The most recent one is always kept. Under mlx.launch none are kept.")] = 4.0,
+    temp: Annotated[Optional[float], typer.Option("--temp", help=f"Default sampling temperature (0: greedy) for requests that give none. {SAMPLING_PRECEDENCE}")] = None,
+    top_p: Annotated[Optional[float], typer.Option("--top-p", help=f"Default nucleus sampling mass (1.0: off). {SAMPLING_PRECEDENCE}")] = None,
+    top_k: Annotated[Optional[int], typer.Option("--top-k", help=f"Default top-k (0: off). {SAMPLING_PRECEDENCE}")] = None,
+    min_p: Annotated[Optional[float], typer.Option("--min-p", help=f"Default min-p (0.0: off). {SAMPLING_PRECEDENCE}")] = None,
+    chat_template_args: Annotated[Optional[str], typer.Option("--chat-template-args", help="""A JSON object of arguments for the chat template of every request, e.g. '{"enable_thinking": false}' (as mlx_lm.server); a request's own (chat_template_kwargs, or its thinking switch) win.""")] = None,
+    log_level: Annotated[LogLevel, typer.Option("--log-level", case_sensitive=False, help="Logging level (as mlx_lm.server). At INFO a line per request: method and path, status, seconds, protocol, model, prompt tokens, reused (prefix-cache) tokens, generated tokens, finish reason; refusals (4xx) at WARNING.")] = LogLevel.INFO,
+    allowed_origins: Annotated[str, typer.Option("--allowed-origins", help="Origins browsers may call the server from (CORS), comma-separated; '*' (the default, as mlx_lm.server): any.")] = "*",
     stages: Stages = None,
     peer_timeout: PeerTimeout = 30.0,
 ) -> None:
-    """Serve an OpenAI-compatible API (chat, completions with FIM, models, health, metrics)."""
+    """Serve an OpenAI-compatible API (chat, completions with FIM, models, health, metrics) and
+    Anthropic's Messages and OpenAI's Responses APIs."""
+    import logging
+
     from .server import create_app, serve as run_server
 
     if prompt_cache_gb < 0:
         _fail(f"--prompt-cache-gb must not be negative (got {prompt_cache_gb})")
+    if context_size is not None and context_size < 1:
+        _fail(f"--context-size must be at least 1 (got {context_size})")
+    sampling = _sampling_defaults(temp, top_p, top_k, min_p)
+    template_args = _json_object("--chat-template-args", chat_template_args)
+    origins = [o.strip() for o in allowed_origins.split(",") if o.strip()]
+    log_level = LogLevel(log_level).value
+    logging.basicConfig(level=log_level, format="%(asctime)s - %(levelname)s - %(message)s")
     loaded, tokenizer = _load(model, draft, draft_quant, stages, peer_timeout)
     with _ranks(loaded):
         _check_block_tokens((loaded, tokenizer), block_tokens)
@@ -386,9 +446,13 @@ def serve(
         app_ = create_app(
             loaded, tokenizer, name, api_key=api_key, max_tokens_cap=max_tokens, context_limit=context_size,
             max_request_bytes=max_request_bytes, block_tokens=block_tokens, prompt_cache_bytes=int(prompt_cache_gb * 1e9),
+            sampling=sampling, chat_template_args=template_args, allowed_origins=origins, draft_quant=draft_quant,
         )
-        typer.secho(f"serving {name!r} on http://{host}:{port}/v1", err=True)
-        run_server(app_, host, port)
+        engine = app_.state.engine
+        defaults = ", ".join(f"{k} {v}" for k, v in engine.sampling.items())
+        typer.secho(f"serving {name!r} on http://{host}:{port}/v1; context limit {engine.context_limit} tokens "
+                    f"({engine.context_source}); sampling defaults: {defaults}", err=True)
+        run_server(app_, host, port, log_level)
 
 
 @app.command()

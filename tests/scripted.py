@@ -4,7 +4,8 @@ model's output formats (reasoning blocks, later tool calls) on the real decode p
 Every sublayer's output projection is zero, so the target's state at a token is that token's
 embedding, and its head maps each token of a chain to the next one: a deterministic bigram
 model. The chain starts at the generation prompt's last token, so the text must not repeat a
-token (nor use that one)."""
+token (nor use that one). With ``loop`` the chain goes back to that token instead of ending:
+the answer repeats forever, and only a cancellation (or the context's end) stops it."""
 
 from __future__ import annotations
 
@@ -40,18 +41,20 @@ QWEN35_TEMPLATE = (
 TOOL_TOKENS = ["<function=get_weather>", "<parameter=city>", "</parameter>", "</function>"]
 
 
-def write_scripted_pair(root: Path, reply: str, template: str = QWEN35_TEMPLATE) -> tuple[Path, Path]:
+def write_scripted_pair(root: Path, reply: str, template: str = QWEN35_TEMPLATE, loop: bool = False,
+                        max_position_embeddings: int = 4096) -> tuple[Path, Path]:
     from tokenizers import Tokenizer
 
     target_dir, draft_dir = root / "target", root / "draft"
     eos = tiny.write_tokenizer(target_dir, extra_special_tokens=TOOL_TOKENS)
-    config = tiny.write_target(target_dir, tiny.target_config(512, eos_token_id=eos))
+    config = tiny.write_target(target_dir, tiny.target_config(512, eos_token_id=eos, max_position_embeddings=max_position_embeddings))
     tiny.write_draft(draft_dir, tiny.draft_config(config, block_size=16))
     (target_dir / "chat_template.jinja").write_text(template)
     tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
     newline = tokenizer.encode("\n", add_special_tokens=False).ids
-    chain = newline[-1:] + tokenizer.encode(reply, add_special_tokens=False).ids + [tokenizer.token_to_id("<|im_end|>")]
-    if len(set(chain)) != len(chain):
+    end = newline[-1:] if loop else [tokenizer.token_to_id("<|im_end|>")]
+    chain = newline[-1:] + tokenizer.encode(reply, add_special_tokens=False).ids + end
+    if len(set(chain[1:])) != len(chain) - 1 or chain[0] in chain[1:-1]:
         raise ValueError(f"the reply's tokens repeat (or use the prompt's last one): {chain}")
     weights = load_file(str(target_dir / "model.safetensors"))
     for name in weights:
@@ -79,11 +82,10 @@ def openai_client(pair, *options):
 @contextmanager
 def running_server(pair, *options):
     """``dflash-mlx serve`` on the pair for the duration of the block; yields its URL."""
-    from tests.test_server import start_server
+    from tests.test_server import start_server, stop_server
 
     process, url = start_server(*pair, *options)
     try:
         yield url
     finally:
-        process.terminate()
-        process.wait(10)
+        stop_server(process)

@@ -89,11 +89,13 @@ def test_stop_strings_and_eos(pair):
     assert "".join(r.text for r in stopped) == text[: text.index(stop)]
     assert stopped[-1].finish_reason == "stop"
     eos = full[6].token
+    own = set(tokenizer.eos_token_ids)  # the shared tokenizer's EOS, for the tests after this one
     tokenizer.eos_token_ids = {eos}
     try:
         ended = list(stream_generate(model, tokenizer, "The quick", max_tokens=30, block_tokens=8))
     finally:
-        tokenizer.eos_token_ids = set()
+        tokenizer.eos_token_ids = own
+    assert tokenizer.eos_token_ids == own and own
     assert [r.token for r in ended] == [r.token for r in full][: [r.token for r in full].index(eos) + 1]
     assert ended[-1].finish_reason == "stop"
 
@@ -133,7 +135,7 @@ def test_auto_is_the_default_and_lossless(pair, monkeypatch):
 def test_seeded_sampling_is_reproducible(pair):
     model, tokenizer = pair
     a = generate(model, tokenizer, "def", max_tokens=20, temp=0.9, top_p=0.95, seed=3)
-    b = generate(model, tokenizer, "def", max_tokens=20, sampler=Sampler(0.9, top_p=0.95), seed=3)
+    b = generate(model, tokenizer, "def", max_tokens=20, sampler=Sampler(temperature=0.9, top_p=0.95), seed=3)
     assert a == b
     # ...and it does sample: other seeds give other texts, not the greedy one every time.
     others = {generate(model, tokenizer, "def", max_tokens=20, temp=0.9, top_p=0.95, seed=s) for s in (4, 5, 6)}

@@ -240,3 +240,42 @@ def test_serve_refuses_a_negative_prompt_cache_budget_before_loading():
     done = cli("serve", "--model", "demo", "--prompt-cache-gb", "-1")
     assert done.returncode == 1 and "--prompt-cache-gb must not be negative (got -1.0)" in done.stderr
     assert "--prompt-cache-gb" in cli("serve", "--help").stdout and "--mlx-lm" in cli("bench", "--help").stdout
+
+
+def test_serve_log_level_origins_and_context_size():
+    done = in_process("serve", "-m", "missing", "--log-level", "LOUD")  # mlx_lm.server's choices only
+    assert done.exit_code == 2 and "--log-level" in done.stderr
+    import typer
+
+    from dflash_mlx.cli import app
+
+    helps = {p.opts[0]: p.help for p in typer.main.get_command(app).commands["serve"].params}  # what --help shows
+    assert "a line per request" in helps["--log-level"] and "'*'" in helps["--allowed-origins"]
+    done = in_process("serve", "-m", "missing", "--context-size", "0")
+    assert done.exit_code == 1 and "--context-size must be at least 1 (got 0)" in done.stderr
+    assert "fit" in helps["--context-size"]
+
+
+def test_serve_refuses_bad_defaults_before_loading(tmp_path):
+    """serve's sampling defaults and chat template arguments: a bad value is one line naming it,
+    exit 1, before any model is loaded (the model named here does not exist)."""
+    missing = str(tmp_path / "missing")
+    cases = [
+        (["--chat-template-args", "{enable_thinking: false}"], "--chat-template-args '{enable_thinking: false}' is not valid JSON"),
+        (["--chat-template-args", "[1]"], "--chat-template-args '[1]' must be a JSON object"),
+        (["--temp", "-1"], "--temp -1.0: temperature must be >= 0"),
+        (["--top-p", "0"], "--top-p 0.0: top_p must be in (0, 1]"),
+        (["--min-p", "1"], "--min-p 1.0: min_p must be in [0, 1)"),
+    ]
+    for args, message in cases:
+        done = in_process("serve", "-m", missing, *args)
+        lines = done.stderr.strip().splitlines()
+        assert done.exit_code == 1 and len(lines) == 1 and message in lines[0], done.stderr
+    import typer
+
+    from dflash_mlx.cli import app
+
+    helps = {p.opts[0]: p.help for p in typer.main.get_command(app).commands["serve"].params}  # what --help shows
+    for flag in ("--temp", "--top-p", "--top-k", "--min-p"):
+        assert "A request's own value wins; then this flag; then the target's generation_config.json" in helps[flag]
+    assert "enable_thinking" in helps["--chat-template-args"]

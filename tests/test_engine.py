@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -21,32 +20,63 @@ def engine(tmp_path_factory):
     return Engine(model, tokenizer, "tiny", max_tokens_cap=64)
 
 
-async def _events(engine, prompt, cancel_when=None, **options):
+class CancelWhen(threading.Event):
+    """A job's cancel flag that turns itself on when it is polled once ``condition()`` holds: the
+    cancel lands at a known point of the work, in the worker's own thread, whatever the
+    machine's speed (a watcher thread polling every millisecond raced a 512-token chunk)."""
+
+    def __init__(self, condition):
+        super().__init__()
+        self.condition = condition
+
+    def is_set(self) -> bool:
+        if not super().is_set() and self.condition():
+            self.set()
+        return super().is_set()
+
+
+async def _events(engine, prompt, **options):
     job = engine.submit(prompt, {"max_tokens": 8, "temp": 0.0, **options})
-    if cancel_when is not None:
-        def watch():
-            while not cancel_when():
-                time.sleep(0.001)
-            job.cancelled.set()
-        threading.Thread(target=watch, daemon=True).start()
     events = []
     while not events or events[-1][0] != "done":
         events.append(await job.queue.get())
     return [kind for kind, _ in events]
 
 
-def test_a_cancel_during_a_long_prefill_stops_it_between_chunks(engine):
+def test_a_cancel_during_a_long_prefill_stops_it_between_chunks(engine, monkeypatch):
+    """The client leaves once the first prefill chunk is in: the prefill stops there (the engine
+    polls the job's flag between chunks), not after the whole 3000-token prompt."""
+    from dflash_mlx.server import engine as engine_module
+
     prompt = np.random.default_rng(0).integers(0, 500, 3000).tolist()
     pool = engine.prompt_caches
     before = engine.metrics.cancelled
 
     def prefill_started():
-        return bool(pool.histories) and len(pool.histories[-1].tokens) > 0
+        history = pool.histories[-1] if pool.histories else None
+        return history is not None and 0 < len(history.tokens) and history.tokens == prompt[:len(history.tokens)]
 
-    kinds = asyncio.run(_events(engine, prompt, cancel_when=prefill_started))
+    real_job = engine_module.Job
+    monkeypatch.setattr(engine_module, "Job", lambda *args, **kwargs: real_job(*args, cancelled=CancelWhen(prefill_started), **kwargs))
+    kinds = asyncio.run(_events(engine, prompt))
+    monkeypatch.setattr(engine_module, "Job", real_job)
     assert kinds == ["done"] and engine.metrics.cancelled == before + 1  # no token: it never finished the prompt
     fed = len(pool.histories[-1].tokens)
-    assert 0 < fed <= 2 * 512 < len(prompt)  # stopped within a chunk of the cancel
+    assert 0 < fed <= 512 < len(prompt), fed  # stopped at the first chunk's end
     # The engine is free, and the next request for that prompt goes on from where it stopped.
     kinds = asyncio.run(_events(engine, prompt, max_tokens=2))
     assert kinds.count("token") == 2 and engine.metrics.totals.cached_prompt_tokens >= fed
+
+
+def test_the_worker_starts_once_every_field_exists(engine, monkeypatch):
+    """The worker thread uses the engine's queue, caches, jobs and metrics: it starts last."""
+    fields_at_start = []
+
+    class Recording(threading.Thread):
+        def start(self):
+            fields_at_start.append(set(vars(self._target.__self__)))
+            super().start()
+
+    monkeypatch.setattr(threading, "Thread", Recording)
+    made = Engine(engine.model, engine.tokenizer, "tiny")
+    assert fields_at_start == [set(vars(made))]

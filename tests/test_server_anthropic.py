@@ -44,8 +44,8 @@ def local(pair):
 
 
 def create(client, messages=ASK, **kwargs):
-    """The SDK's call (this SDK sends no temperature: the server's default, 1.0, samples; the
-    scripted target's margins make its text certain all the same)."""
+    """The SDK's call (it sends no temperature: the server's default applies; this target ships no
+    generation_config.json, so that is greedy, as mlx_lm.server's)."""
     return client.messages.create(model="target", max_tokens=kwargs.pop("max_tokens", 60), messages=messages,
                                   tools=kwargs.pop("tools", TOOLS), **kwargs)
 

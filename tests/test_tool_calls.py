@@ -101,3 +101,20 @@ def test_an_unclosed_or_malformed_block_stays_text(tokenizer):
 def test_without_tools_nothing_is_parsed(tokenizer):
     content, calls = _Reply("chat.completion", "m", tokenizer, None)._tool_calls(OUTPUT)
     assert content == OUTPUT and calls == []
+
+
+def test_a_malformed_call_stays_text_and_the_stream_goes_on():
+    """A parser that returns something that is not a call (here mlx-lm's JSON parser, as Hermes
+    templates use it: arguments that are not JSON, no name, not an object) leaves the block as
+    text; the stream goes on, and a good call after it is still a call."""
+    from mlx_lm.tool_parsers import json_tools
+
+    tokenizer = SimpleNamespace(has_tool_calling=True, tool_call_start="<tool_call>", tool_call_end="</tool_call>",
+                                tool_parser=json_tools.parse_tool_call)
+    bad = ['<tool_call>{"name": "add", "arguments": "{not json"}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>',
+           '<tool_call>["add"]</tool_call>', "<tool_call>[]</tool_call>", '<tool_call>{"name": "add", "arguments": [1]}</tool_call>']
+    good = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    output = "First." + "".join(bad) + " Then." + good
+    content, calls, finish = collect(stream(tokenizer, [output[i:i + 5] for i in range(0, len(output), 5)]))
+    assert content.rstrip() == "First." + "".join(bad) + " Then."
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("add", {"a": 1})] and finish == "tool_calls"

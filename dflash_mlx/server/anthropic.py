@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .engine import ContextFull, Engine, Job, collect, current_engine, job_events
+from .engine import ContextFull, Engine, Job, collect, current_engine, job_events, note
 from .errors import APIError
 from .tool_calls import ToolCallScanner, answer_parts
 
@@ -62,7 +62,7 @@ class CountTokensRequest(BaseModel):
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(..., ge=1)
     stop_sequences: Optional[List[str]] = None
-    temperature: float = Field(1.0, ge=0.0, le=1.0)
+    temperature: Optional[float] = Field(None, ge=0.0, le=1.0)  # left out: the server's default
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
     top_k: Optional[int] = Field(None, ge=0)
     stream: bool = False
@@ -125,6 +125,7 @@ async def _prompt(engine: Engine, req: CountTokensRequest) -> List[int]:
 
 
 def _check_model(engine: Engine, name: str) -> None:
+    note(model=name)
     if name != engine.name:
         raise APIError(404, f"model {name!r} not found; this server serves {engine.name!r}", "not_found_error", param="model")
 
@@ -132,7 +133,9 @@ def _check_model(engine: Engine, name: str) -> None:
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(req: CountTokensRequest, engine: Engine = Depends(current_engine)):
     _check_model(engine, req.model)
-    return {"input_tokens": len(await _prompt(engine, req))}
+    prompt = await _prompt(engine, req)
+    note(prompt_tokens=len(prompt))
+    return {"input_tokens": len(prompt)}
 
 
 @router.post("/v1/messages")
@@ -143,8 +146,8 @@ async def messages(req: MessagesRequest, request: Request, engine: Engine = Depe
         budget = engine.answer_budget(len(prompt), req.max_tokens)
     except ContextFull as e:
         raise APIError(400, str(e), param="messages") from e
-    job = engine.submit(prompt, dict(max_tokens=budget, temp=req.temperature, top_p=req.top_p or 1.0,
-                                     top_k=req.top_k or 0, stop=req.stop_sequences or []))
+    job = engine.submit(prompt, dict(max_tokens=budget, stop=req.stop_sequences or [],
+                                     **engine.sampling_options(req.temperature, req.top_p, req.top_k)))
     tools = _tools(req)
     reply = _Reply(engine.name, engine.splitter(prompt), lambda: ToolCallScanner(engine.tokenizer if tools else None, tools))
     if req.stream:

@@ -1,23 +1,90 @@
 """The app: one engine, the protocols' routers (OpenAI's chat and Responses, Anthropic's Messages),
-and what they share (errors in the client's protocol's shape, API key, body limit, health,
-metrics); ``serve`` runs it on uvicorn."""
+and what they share (errors in the client's protocol's shape, API key, body limit, CORS, a log
+line per request, health, metrics); ``serve`` runs it on uvicorn."""
 
 from __future__ import annotations
 
 import hmac
+import logging
+import time
 from contextlib import asynccontextmanager
-from typing import Optional, Union
+from typing import Any, Dict, Optional, Sequence, Union
 
 import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..api import DFlashModel
 from . import anthropic, openai, responses
-from .engine import Engine, current_engine
+from .engine import REQUEST_RECORD, Engine, current_engine
 from .errors import APIError, error_body
+
+LOG = logging.getLogger("dflash_mlx.server")
+PROTOCOLS = {"/v1/chat/completions": "openai.chat", "/v1/completions": "openai.completions",
+             "/v1/responses": "openai.responses", "/v1/messages": "anthropic.messages",
+             "/v1/messages/count_tokens": "anthropic.count_tokens", "/v1/models": "openai.models"}
+
+
+class AccessLog:
+    """One line per request once its answer has gone out (a stream's at its end), refusals
+    included: method and path, status, seconds, protocol, the model asked for, prompt tokens,
+    how many came from the prefix cache, tokens generated, and why the answer ended (the
+    generation's ``stop``/``length``, ``cancelled`` when the client left or the server stopped
+    first, ``error``). Fields a request never reached are ``-``. Successful /health and /metrics
+    polls are logged at DEBUG, refusals (4xx) at WARNING, server errors at ERROR."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        record: Dict[str, Any] = {}
+        token = REQUEST_RECORD.set(record)
+        status, start = [500], time.perf_counter()  # 500: the app raised before answering
+
+        async def sent(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sent)
+        finally:
+            REQUEST_RECORD.reset(token)
+            log_request(scope, status[0], time.perf_counter() - start, record)
+
+
+def log_request(scope, status: int, seconds: float, record: Dict[str, Any]) -> None:
+    path = scope.get("path", "")
+    job = record.get("job")
+    last = job.last if job is not None else None
+    if job is None:
+        finish = "-"
+    elif job.error is not None:
+        finish = "error"
+    elif last is not None and last.finish_reason:
+        finish = last.finish_reason
+    else:
+        finish = "cancelled"
+    prompt = record.get("prompt_tokens", last.prompt_tokens if last is not None else None)
+    fields = [("protocol", PROTOCOLS.get(path)), ("model", record.get("model")), ("prompt_tokens", prompt),
+              ("reused_tokens", last.cached_prompt_tokens if last is not None else None),
+              ("generated_tokens", last.generation_tokens if last is not None else (0 if job is not None else None)),
+              ("finish", finish)]
+    if status >= 500:
+        level = logging.ERROR
+    elif status >= 400:
+        level = logging.WARNING
+    elif path in ("/health", "/metrics"):
+        level = logging.DEBUG
+    else:
+        level = logging.INFO
+    LOG.log(level, "%s %s %d %.2fs %s", scope.get("method", "-"), path, status, seconds,
+            " ".join(f"{name}={'-' if value is None else value}" for name, value in fields))
 
 
 class BodyLimit:
@@ -137,10 +204,22 @@ def create_app(
     max_request_bytes: int = 8 << 20,
     block_tokens: Union[None, int, str] = "auto",
     prompt_cache_bytes: int = 4 << 30,
+    sampling: Optional[Dict[str, Any]] = None,
+    chat_template_args: Optional[Dict[str, Any]] = None,
+    allowed_origins: Sequence[str] = ("*",),
+    draft_quant: Optional[str] = None,
+    memory_bytes: Optional[int] = None,
 ) -> FastAPI:
-    """The server's app. ``context_limit`` defaults to the target's ``max_position_embeddings``;
-    ``prompt_cache_bytes`` bounds the prefix caches kept between requests."""
-    engine = Engine(model, tokenizer, model_name, context_limit, max_tokens_cap, block_tokens, prompt_cache_bytes)
+    """The server's app. ``context_limit`` defaults to the longest context that fits in memory
+    (``memory_bytes``, default this machine's) beside the pair's weights (``draft_quant``: how the
+    draft was quantized at load) and ``prompt_cache_bytes`` (the prefix caches kept between
+    requests), at most the target's ``max_position_embeddings``. ``sampling``: the defaults for
+    a request's temperature, top_p, top_k and min_p, over the target's generation_config.json;
+    ``chat_template_args``: for every request's chat template (the request's own win);
+    ``allowed_origins``: the origins browsers may call from (CORS; ``*``: any)."""
+    engine = Engine(model, tokenizer, model_name, context_limit, max_tokens_cap, block_tokens, prompt_cache_bytes,
+                    sampling=sampling, chat_template_args=chat_template_args, draft_quant=draft_quant,
+                    memory_bytes=memory_bytes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -153,6 +232,10 @@ def create_app(
     app.state.api_key = api_key.encode() if api_key is not None else None
     _add_error_handlers(app, engine)
     app.add_middleware(BodyLimit, limit=max_request_bytes)
+    # As mlx_lm.server: any method and header, from the allowed origins (outside the body limit,
+    # so that a browser can read its 413). The log line is outermost: it sees every answer.
+    app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(AccessLog)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"], response_class=PlainTextResponse)
     app.include_router(openai.router, dependencies=[Depends(authorize)])
@@ -174,10 +257,14 @@ class StoppingServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def serve(app: FastAPI, host: str, port: int) -> None:
+def serve(app: FastAPI, host: str, port: int, log_level: str = "WARNING") -> None:
     """Run the app until Ctrl-C or SIGTERM, then return. Answers still open a second after the
-    generations were cancelled are cut."""
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=1)
+    generations were cancelled are cut. uvicorn's own messages show from WARNING up (all of them
+    at DEBUG); its access log is off: ``AccessLog`` writes ours."""
+    level = log_level.upper()
+    uvicorn_level = "debug" if level == "DEBUG" else ("warning" if level == "INFO" else level.lower())
+    config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_level, access_log=False,
+                            timeout_graceful_shutdown=1)
     try:
         StoppingServer(config, app.state.engine).run()
     except KeyboardInterrupt:  # uvicorn hands Ctrl-C on once it has stopped: a server's normal end

@@ -14,13 +14,16 @@ idle (``Engine.stop``), not ending the thread.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import queue
 import sys
 import threading
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
 from starlette.requests import Request
@@ -45,8 +48,105 @@ def model_context_length(model: DFlashModel) -> Optional[int]:
     return int(value) if value else None
 
 
+def memory_context_limit(model: DFlashModel, draft_quant: Optional[str] = None, memory_bytes: Optional[int] = None,
+                         reserve: int = 0, upper: Optional[int] = None) -> Optional[int]:
+    """The longest context (prompt and answer, in tokens, at most ``upper``) whose caches fit in
+    ``memory_bytes`` (default: this machine's, as ``doctor`` counts it: MLX's recommended working
+    set on a Mac, physical memory elsewhere) beside the pair's weights and ``reserve`` bytes (the
+    prefix caches' budget), by ``doctor``'s estimate of the pair's memory at a context. None when
+    it cannot be known (no target folder, a pipelined target, no memory size)."""
+    from .. import device as device_lib
+    from ..doctor import estimate_memory
+
+    if model.target_path is None or model.pipeline is not None:
+        return None
+    facts = device_lib.facts()
+    memory_bytes = memory_bytes or facts.recommended_working_set or facts.memory_bytes
+    dtype = device_lib.draft_activation_dtype(facts)  # as `load` computes the draft by default
+    if not memory_bytes:
+        return None
+    draft_dir = model.draft_path if model.draft is not None else None
+    quant = None if draft_quant in (None, "none") else draft_quant
+
+    def fits(context: int) -> bool:
+        need = estimate_memory(Path(model.target_path), draft_dir and Path(draft_dir), quant, context, draft_dtype=dtype)
+        return sum(need.values()) + reserve <= memory_bytes
+
+    upper = upper or 1 << 20
+    try:
+        if fits(upper):
+            return upper
+    except Exception as e:  # a layout the estimate does not know: the target's own limit then
+        LOG.warning("cannot estimate the memory of this pair (%s: %s): the context limit is the target's own", type(e).__name__, e)
+        return None
+    low, high = 0, upper  # fits(low) or low == 0; not fits(high)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+# The sampling settings a request leaves out come from the server's flags, then the target's
+# generation_config.json, then mlx_lm.server's defaults (greedy, no filters).
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p")
+FALLBACK_SAMPLING = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+
+
+def generation_config_sampling(folder: Optional[Path]) -> Dict[str, float]:
+    """The sampling fields of a target folder's ``generation_config.json`` ({} without one). A
+    value the sampler would refuse is left out, with a warning."""
+    from ..sampling import Sampler
+
+    path = Path(folder) / "generation_config.json" if folder is not None else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        LOG.warning("ignoring %s: %s", path, e)
+        return {}
+    out = {}
+    for name in SAMPLING_FIELDS:
+        value = config.get(name) if isinstance(config, dict) else None
+        if value is None:
+            continue
+        try:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            value = int(value) if name == "top_k" else float(value)
+            Sampler(**{**FALLBACK_SAMPLING, name: value})
+        except ValueError as e:
+            LOG.warning("ignoring %s of %s: %s", name, path, e)
+            continue
+        out[name] = value
+    return out
+
+
+def sampling_defaults(folder: Optional[Path], overrides: Optional[Dict[str, Any]] = None) -> Dict[str, float]:
+    """What a request that leaves a sampling field out gets: ``overrides`` (the server's
+    --temp/--top-p/--top-k/--min-p, None where not given) over the target's
+    ``generation_config.json`` over mlx_lm.server's defaults."""
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    unknown = set(given) - set(SAMPLING_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown sampling settings: {sorted(unknown)}")
+    return {**FALLBACK_SAMPLING, **generation_config_sampling(folder), **given}
+
+
 class ContextFull(ValueError):
     """A prompt that leaves no room for an answer within the context limit."""
+
+
+# The request being answered, for its log line: the routes and the engine note what they learn
+# (model, prompt tokens, the job), app.AccessLog writes the line once the answer has gone out.
+REQUEST_RECORD: ContextVar[Optional[Dict[str, Any]]] = ContextVar("dflash_request_record", default=None)
+
+
+def note(**fields) -> None:
+    """Add to the current request's log line (nothing outside a request)."""
+    record = REQUEST_RECORD.get()
+    if record is not None:
+        record.update(fields)
 
 
 @dataclass
@@ -113,6 +213,8 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     # Why the server cancelled it (told to the client as a 503); None: the client went away.
     cancel_reason: Optional[str] = None
+    last: Optional[GenerationResponse] = None  # the latest token's response (for the request's log line)
+    error: Optional[str] = None  # why the generation failed, if it did
 
     def cancel(self, reason: Optional[str] = None) -> None:
         self.cancel_reason = self.cancel_reason or reason
@@ -126,33 +228,64 @@ class Job:
 
 
 class Engine:
-    """The model, its limits and its caches, shared by every protocol's routes."""
+    """The model, its limits and its caches, shared by every protocol's routes.
+
+    ``context_limit`` None: the longest context that fits this machine's memory (``memory_bytes``
+    to say another size) beside the weights and the prefix caches' budget, at most the target's
+    ``max_position_embeddings``. ``sampling``: the server's defaults for a request's temperature,
+    top_p, top_k, min_p (None: not given), over the target's generation_config.json.
+    ``chat_template_args``: passed to the chat template for every request (a request's own
+    template arguments win)."""
 
     def __init__(self, model: DFlashModel, tokenizer, name: str, context_limit: Optional[int] = None,
                  max_tokens_cap: int = 4096, block_tokens: Union[None, int, str] = "auto",
-                 prompt_cache_bytes: int = 4 << 30):
+                 prompt_cache_bytes: int = 4 << 30, sampling: Optional[Dict[str, Any]] = None,
+                 chat_template_args: Optional[Dict[str, Any]] = None, draft_quant: Optional[str] = None,
+                 memory_bytes: Optional[int] = None):
         self.model, self.tokenizer, self.name = model, tokenizer, name
-        self.context_limit = context_limit if context_limit is not None else model_context_length(model)
+        self.context_source = "--context-size"
+        if context_limit is None:
+            context_limit = own = model_context_length(model)
+            self.context_source = "the target's max_position_embeddings"
+            fits = memory_context_limit(model, draft_quant, memory_bytes, prompt_cache_bytes if model.pipeline is None else 0, own)
+            if fits is not None and (own is None or fits < own):
+                context_limit, self.context_source = fits, "what fits in memory beside the weights and --prompt-cache-gb"
+        self.context_limit = context_limit
         self.max_tokens_cap, self.block_tokens = max_tokens_cap, block_tokens
+        self.sampling = sampling_defaults(model.target_path, sampling)
+        self.chat_template_args = dict(chat_template_args or {})
         self.pending: "queue.SimpleQueue[Job]" = queue.SimpleQueue()
-        threading.Thread(target=self._work, name="dflash-generate", daemon=True).start()
         # A pipelined target's caches live on every rank: none are kept between requests.
         self.prompt_caches = PromptCachePool(prompt_cache_bytes if model.pipeline is None else 0)
         self.jobs: set = set()  # submitted and not done
         self.metrics = Metrics()
+        # Last: the worker uses every field above.
+        threading.Thread(target=self._work, name="dflash-generate", daemon=True).start()
+
+    def sampling_options(self, temperature=None, top_p=None, top_k=None, min_p=None) -> Dict[str, Any]:
+        """A request's sampling as ``stream_generate`` takes it: what it gave, else the defaults."""
+        given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+        chosen = {k: (self.sampling[k] if v is None else v) for k, v in given.items()}
+        return dict(temp=chosen["temperature"], top_p=chosen["top_p"], top_k=chosen["top_k"], min_p=chosen["min_p"])
 
     def answer_budget(self, prompt_tokens: int, requested: Optional[int]) -> int:
         """Tokens an answer may have: what was asked (or the cap), within the context limit,
-        which counts the prompt and the answer together."""
+        which counts the prompt and the answer together. A prompt that leaves no room for an
+        answer is refused (``ContextFull``, with the numbers)."""
+        note(prompt_tokens=prompt_tokens)
         limit = self.context_limit
-        if limit is not None and prompt_tokens >= limit:
-            raise ContextFull(f"prompt has {prompt_tokens} tokens; the context limit is {limit} (prompt and answer together)")
         budget = min(requested or self.max_tokens_cap, self.max_tokens_cap)
+        if limit is not None and prompt_tokens >= limit:
+            raise ContextFull(f"the prompt has {prompt_tokens} tokens and max_tokens is {budget} ({prompt_tokens + budget} "
+                              f"in all); the context limit is {limit} tokens, prompt and answer together, and the "
+                              "prompt leaves no room for an answer")
         return budget if limit is None else min(budget, limit - prompt_tokens)
 
     async def render(self, messages: List[Dict[str, Any]], tools=None, param: str = "messages", **template_kwargs) -> List[int]:
-        """The prompt's token ids through the chat template, off the event loop (a long
-        conversation takes a while to render and tokenize); a template error is a 400."""
+        """The prompt's token ids through the chat template (with the server's
+        ``chat_template_args`` under the request's own), off the event loop (a long conversation
+        takes a while to render and tokenize); a template error is a 400."""
+        template_kwargs = {**self.chat_template_args, **template_kwargs}
         try:
             ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, tools=tools,
                                           add_generation_prompt=True, tokenize=True, **template_kwargs)
@@ -172,6 +305,7 @@ class Engine:
         self.metrics.count("queued")
         self.jobs.add(job)
         self.pending.put(job)
+        note(job=job)
         return job
 
     def cancel_all(self, reason: str = "the server is shutting down") -> None:
@@ -201,6 +335,7 @@ class Engine:
                 stream = stream_generate(self.model, self.tokenizer, job.prompt, prompt_cache=pool,
                                          cancelled=job.cancelled.is_set, **job.options)
                 for last in stream:
+                    job.last = last
                     if job.cancelled.is_set():
                         stream.close()
                         break
@@ -214,12 +349,14 @@ class Engine:
                 self.metrics.add(last)
         except PeerLost as e:  # a pipelined target lost a rank: nothing more can be served
             self.metrics.count("errors")
+            job.error = str(e)
             job.emit("error", (500, str(e)))
             _stop_process(str(e))
         except Exception as e:  # reported to the client as a 500, logged in full here
             LOG.exception("generation failed")
             self.metrics.count("errors")
-            job.emit("error", (500, f"{type(e).__name__}: {e}"))
+            job.error = f"{type(e).__name__}: {e}"
+            job.emit("error", (500, job.error))
         finally:
             self.metrics.prompt_cache_bytes = self.prompt_caches.nbytes
             self.metrics.prompt_cache_histories = len(self.prompt_caches.histories)

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..api import GenerationResponse, encode_prompt
-from .engine import ContextFull, Engine, Job, collect, current_engine, job_events
+from .engine import ContextFull, Engine, Job, collect, current_engine, job_events, note
 from .errors import APIError, error_body
 from ..reasoning import ReasoningSplitter, thinking_switch
 from .tool_calls import ToolCall, ToolCallScanner, split_text_and_calls
@@ -40,10 +40,12 @@ class SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str
     max_tokens: Optional[int] = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    min_p: float = Field(0.0, ge=0.0, lt=1.0)
+    # Left out: the server's defaults (its --temp/--top-p/--top-k/--min-p, else the target's
+    # generation_config.json, else greedy with no filters).
+    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(None, ge=0)
+    min_p: Optional[float] = Field(None, ge=0.0, lt=1.0)
     seed: Optional[int] = None
     stop: Optional[Union[str, List[str]]] = None
     stream: bool = False
@@ -96,6 +98,7 @@ def _unsupported(req: SamplingRequest) -> None:
 
 
 def check_model(engine: Engine, name: str) -> None:
+    note(model=name)
     if name != engine.name:
         raise APIError(404, f"model {name!r} not found; this server serves {engine.name!r}", param="model", code="model_not_found")
 
@@ -107,8 +110,8 @@ def options(engine: Engine, req: SamplingRequest, max_tokens: Optional[int], pro
     except ContextFull as e:
         raise APIError(400, str(e), param="messages", code="context_length_exceeded") from e
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-    return dict(max_tokens=budget, temp=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                seed=req.seed, stop=stop)
+    return dict(max_tokens=budget, seed=req.seed, stop=stop,
+                **engine.sampling_options(req.temperature, req.top_p, req.top_k, req.min_p))
 
 
 @router.get("/v1/models")
@@ -120,7 +123,7 @@ async def models(engine: Engine = Depends(current_engine)):
 async def chat_completions(req: ChatRequest, request: Request, engine: Engine = Depends(current_engine)):
     check_model(engine, req.model)
     _unsupported(req)
-    messages = [_message_dict(m) for m in req.messages]
+    messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
     tools = req.tools if req.tools and req.tool_choice != "none" else None
     template_kwargs = dict(req.chat_template_kwargs or {})
     thinking = thinking_switch(req.chat_template_kwargs, req.reasoning_effort, req.reasoning)
@@ -165,10 +168,21 @@ async def completions(req: CompletionRequest, request: Request, engine: Engine =
 
 
 
-def _message_dict(m: Message) -> Dict[str, Any]:
+def _message_dict(m: Message, index: int) -> Dict[str, Any]:
+    """A message as the chat template takes it: content parts (text only) joined into one string,
+    the ``developer`` role (OpenAI's name for system instructions) as ``system``."""
     out = m.model_dump(exclude_none=True)
-    if isinstance(out.get("content"), list):  # OpenAI content parts: keep the text ones
-        out["content"] = "".join(p.get("text", "") for p in out["content"] if p.get("type") == "text")
+    if isinstance(out.get("content"), list):
+        texts = []
+        for j, part in enumerate(out["content"]):
+            kind, text = part.get("type"), part.get("text")
+            if kind != "text":
+                raise APIError(400, f"content parts of type {kind!r} are not supported (text only)",
+                               param=f"messages[{index}].content[{j}]", code="unsupported_content")
+            if not isinstance(text, str):
+                raise APIError(400, "a text content part needs a 'text' string", param=f"messages[{index}].content[{j}]")
+            texts.append(text)
+        out["content"] = "".join(texts)
     if out["role"] == "developer":
         out["role"] = "system"
     if "reasoning" in out and "reasoning_content" not in out:  # the alias some clients send back

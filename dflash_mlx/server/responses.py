@@ -17,7 +17,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .engine import ContextFull, Engine, Job, collect, current_engine, job_events
+from .engine import ContextFull, Engine, Job, collect, current_engine, job_events, note
 from .errors import APIError
 from ..reasoning import thinking_switch
 from .tool_calls import ToolCall, ToolCallScanner, answer_parts
@@ -34,8 +34,8 @@ class ResponsesRequest(BaseModel):
     tool_choice: Optional[Union[str, Dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
     max_output_tokens: Optional[int] = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)  # left out: the server's defaults
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
     stream: bool = False
     reasoning: Optional[Dict[str, Any]] = None
     store: Optional[bool] = None
@@ -123,6 +123,7 @@ def _tools(req: ResponsesRequest) -> Optional[List[Dict[str, Any]]]:
 
 @router.post("/v1/responses")
 async def responses(req: ResponsesRequest, request: Request, engine: Engine = Depends(current_engine)):
+    note(model=req.model)
     if req.model != engine.name:
         raise APIError(404, f"model {req.model!r} not found; this server serves {engine.name!r}", param="model",
                        code="model_not_found")
@@ -135,8 +136,10 @@ async def responses(req: ResponsesRequest, request: Request, engine: Engine = De
         budget = engine.answer_budget(len(prompt), req.max_output_tokens)
     except ContextFull as e:
         raise APIError(400, str(e), param="input", code="context_length_exceeded") from e
-    job = engine.submit(prompt, dict(max_tokens=budget, temp=req.temperature, top_p=req.top_p))
-    reply = _Reply(engine.name, req, engine.splitter(prompt), lambda: ToolCallScanner(engine.tokenizer if tools else None, tools))
+    sampling = engine.sampling_options(req.temperature, req.top_p)
+    job = engine.submit(prompt, dict(max_tokens=budget, **sampling))
+    reply = _Reply(engine.name, req, engine.splitter(prompt), lambda: ToolCallScanner(engine.tokenizer if tools else None, tools),
+                   sampling)
     if req.stream:
         return StreamingResponse(reply.stream(job), media_type="text/event-stream")
     return JSONResponse(await reply.whole(job, request))
@@ -149,8 +152,9 @@ def _item_id(prefix: str) -> str:
 class _Reply:
     """A job's events as a Responses object, whole or as its streamed events."""
 
-    def __init__(self, model: str, req: ResponsesRequest, splitter, scanner):
+    def __init__(self, model: str, req: ResponsesRequest, splitter, scanner, sampling: Dict[str, Any]):
         self.model, self.req, self.splitter, self.scanner = model, req, splitter, scanner
+        self.sampling = sampling  # what the answer is sampled with (the request's, or the server's defaults)
         self.id, self.created = _item_id("resp"), int(time.time())
         self.sequence = 0
 
@@ -162,8 +166,8 @@ class _Reply:
             "id": self.id, "object": "response", "created_at": self.created, "status": status, "model": self.model,
             "output": output, "error": None, "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "instructions": self.req.instructions, "max_output_tokens": self.req.max_output_tokens,
-            "parallel_tool_calls": bool(self.req.parallel_tool_calls), "temperature": self.req.temperature,
-            "top_p": self.req.top_p, "tool_choice": self.req.tool_choice or "auto", "tools": self.req.tools or [],
+            "parallel_tool_calls": bool(self.req.parallel_tool_calls), "temperature": self.sampling["temp"],
+            "top_p": self.sampling["top_p"], "tool_choice": self.req.tool_choice or "auto", "tools": self.req.tools or [],
             "usage": {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": last.cached_prompt_tokens if last else 0},
                       "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": prompt + generated} if last else None,

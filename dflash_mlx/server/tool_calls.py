@@ -72,17 +72,23 @@ class ToolCallScanner:
         return [held] if held else []
 
     def _parse(self, block: str) -> List[Union[str, ToolCall]]:
+        """The block's calls; a block the parser refuses, or whose calls lack a name or have
+        arguments that are not a JSON object, is not a call: it stays text, the stream goes on."""
         body = block[len(self.start): -len(self.end)].strip()
+        calls = []
         try:
             parsed = self.tokenizer.tool_parser(body, self.tools)
+            for call in parsed if isinstance(parsed, list) else [parsed]:
+                name, arguments = call["name"], call.get("arguments") or {}
+                if isinstance(arguments, str):
+                    arguments = json.loads(arguments)
+                if not isinstance(name, str) or not name or not isinstance(arguments, dict):
+                    raise ValueError(f"not a call: {call!r}")
+                calls.append(ToolCall(name, arguments, "call_" + uuid.uuid4().hex[:24], self.calls + len(calls)))
+            if not calls:
+                raise ValueError("no call in the block")
         except Exception:
             return [block]  # not a well-formed call: leave it as text
-        calls = []
-        for call in parsed if isinstance(parsed, list) else [parsed]:
-            arguments = call.get("arguments") or {}
-            if isinstance(arguments, str):
-                arguments = json.loads(arguments)
-            calls.append(ToolCall(call["name"], arguments, "call_" + uuid.uuid4().hex[:24], self.calls + len(calls)))
         self.calls += len(calls)
         return calls
 
