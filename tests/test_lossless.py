@@ -460,3 +460,59 @@ def test_a_capped_cycle_teaches_the_controller_only_what_ran(target, prompts, re
         assert stats.total_accepted == stats.total_tried, (max_tokens, ran, stats.total_tried, stats.total_accepted)
         assert (stats.total_tried or [0.0])[0] == sum(b > 1 for b in ran)
         assert blocks.stats.costs.cycles == {b: ran.count(b) for b in set(ran)}
+
+
+# ---- what the draft is handed after plain steps ----------------------------------------------------
+
+
+def draft_context(cache):
+    """Each draft layer's context keys and values (the rows it holds), as float32 numpy arrays."""
+    out = []
+    for c in cache:
+        used = c.offset - c.start
+        out.append((c.start, c.offset, np.array(c.keys[..., :used, :].astype(mx.float32)),
+                    np.array(c.values[..., :used, :].astype(mx.float32))))
+    return out
+
+
+def assert_draft_holds_the_committed_features(target, draft, draft_cache, prompt, committed, tolerance, label):
+    """``draft_cache`` equals the context cache of handing the draft the features of
+    ``prompt + committed``, tapped from one target pass over them."""
+    fed = mx.concatenate([prompt, mx.array(committed, dtype=prompt.dtype)])
+    _, features = target.forward(fed[None], target.make_cache(), draft.target_layer_ids)
+    direct = draft.make_cache()
+    draft.add_context(features, direct)
+    for layer, (got, want) in enumerate(zip(draft_context(draft_cache), draft_context(direct))):
+        assert got[:2] == want[:2] == (0, fed.size), f"{label}: layer {layer} holds {got[:2]}"
+        for name, g, w in (("keys", got[2], want[2]), ("values", got[3], want[3])):
+            np.testing.assert_allclose(g, w, rtol=0, atol=tolerance, err_msg=f"{label}: layer {layer} {name}")
+
+
+# Plain steps in runs of 1-3 between drafting cycles of 4 and 8, a shadow among them.
+PLAIN_RUNS = [(1, 0), (1, 0), (1, 0), (4, 0), (1, 0), (4, 0), (1, 3), (1, 0), (8, 0), (1, 0), (1, 0), (4, 0)]
+
+
+def test_the_draft_is_handed_the_plain_steps_features(target, draft, prompts):
+    """Not only as many rows as the target's cache: the same rows. After plain steps, wherever a
+    stream stops (features pending or handed off), the draft's context keys and values equal
+    those of feeding the committed tokens' features directly.
+
+    Tolerance 1e-4 (keys and values of order 1): the target's features come from passes of 1, 4
+    and 8 rows and a rollback instead of one pass, so they differ by float32 rounding, which the
+    draft's projections carry over: measured up to 3e-6 on keys and values up to 3.8. The features
+    of other tokens, or zeros, differ by order 1."""
+    prompt = prompts[2]
+    for cycles in (3, 4, 6, 9, 12, 15):
+        draft_cache = draft.make_cache()
+        stream = speculative(target, draft, prompt, GREEDY, block_tokens=ScriptedBlock(PLAIN_RUNS),
+                             draft_cache=draft_cache)
+        committed = stop_after(stream, cycles)
+        assert_draft_holds_the_committed_features(target, draft, draft_cache, prompt, committed[:-1], 1e-4,
+                                                  f"stopped after cycle {cycles}")
+    for max_tokens in (4, 11, 20):  # streams that end by themselves
+        draft_cache = draft.make_cache()
+        commits = list(speculative(target, draft, prompt, GREEDY, block_tokens=ScriptedBlock(PLAIN_RUNS),
+                                   draft_cache=draft_cache, max_tokens=max_tokens))
+        committed = [t for c in commits for t in c.tokens]
+        assert_draft_holds_the_committed_features(target, draft, draft_cache, prompt, committed[:-1], 1e-4,
+                                                  f"max_tokens {max_tokens}")
