@@ -162,7 +162,8 @@ def speculative(
 
     ``block_tokens``: a fixed size (default: the draft's block size) or a ``BlockChooser`` asked
     for each cycle's size (``block_policy.AutoBlock``). A cycle of size 1 is a plain decode step
-    whose tapped features wait in ``pending`` and reach the draft when drafting resumes.
+    whose tapped features wait in ``pending`` and reach the draft when drafting resumes. Whatever
+    the size asked for, a cycle drafts no more than ``max_tokens`` leaves room for.
     """
     chooser = block_tokens if hasattr(block_tokens, "choose") else FixedBlock(
         BlockTokens.parse(block_tokens or draft.block_size).cap(draft.block_size))
@@ -188,8 +189,14 @@ def speculative(
         return count
 
     def dispatch(token: mx.array) -> _Cycle:
+        # A cycle commits at most ``block`` tokens: with ``left`` to go, drafting more verifies rows
+        # for nothing; with one left it is a plain step. The chooser is told the size that ran
+        # (``_Cycle.block``), so a capped cycle teaches it nothing false.
+        left = budget.left
         block = chooser.choose()
+        block = block if left is None else min(block, left)
         ahead = chooser.shadow_tokens() if block == 1 else 0
+        ahead = ahead if left is None else min(ahead, left - 1)  # a shadow is graded by the tokens after it
         handed_off = hand_off_pending() if block > 1 or ahead else 0
         undo = snapshot(cache)
         if block == 1:  # a plain step; a shadow drafts alongside, unverified (the next tokens grade it)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from dflash_mlx import (
@@ -41,7 +42,9 @@ def test_responses_carry_mlx_lm_fields_and_statistics(pair):
     assert abs(mx.exp(last.logprobs).sum().item() - 1) < 1e-4
     # from_draft marks exactly the accepted drafted tokens.
     assert sum(r.from_draft for r in responses) <= last.accepted_tokens
-    assert last.drafted_tokens == 3 * last.cycles
+    # Blocks of 4, but the last cycles draft no more than max_tokens leaves (random draft: 3, 2, 1).
+    assert last.drafted_tokens == sum((b - 1) * n for b, n in last.block_histogram.items())
+    assert sum(last.block_histogram.values()) == last.cycles and max(last.block_histogram) == 4
     assert last.tokens_per_cycle == pytest.approx(29 / last.cycles)
     assert 0 <= last.acceptance_rate <= 1
     assert "".join(r.text for r in responses) == generate(model, tokenizer, "class Stack:", max_tokens=30)
@@ -63,6 +66,30 @@ def test_from_draft_with_a_draft_that_is_always_right(pair):
     # Token 0 comes from prefill; then each cycle commits 3 drafted tokens and 1 bonus.
     assert [r.from_draft for r in responses] == [False] + [True, True, True, False] * 6
     assert responses[-1].tokens_per_cycle == 4.0 and responses[-1].acceptance_rate == 1.0
+
+
+def test_each_token_carries_the_targets_logprobs_at_its_own_position(pair):
+    """Several tokens per cycle (an oracle draft, accepting 3, 1, 3, 0, 2 of 3 in turn): each
+    token's logprobs equal the target alone's at the same position, not its cycle's first row.
+
+    Tolerance 1e-4 (absolute, on log-probabilities down to about -11): the verify pass computes
+    4 rows at once, so its sums run in another order than a decode step's (the CPU's matmul
+    blocking, the chunked Gated DeltaNet recurrence); measured up to 1e-5, about ten float32
+    ulps at that magnitude. Another position's distribution differs by more than 1."""
+    from dflash_mlx.api import DFlashModel
+    from tests.test_lossless import OracleDraft
+
+    model, tokenizer = pair
+    prompt = tokenizer.encode("def fibonacci(n):")
+    alone = list(stream_generate(model.target, tokenizer, prompt, max_tokens=30))
+    oracle = OracleDraft(prompt + [r.token for r in alone], 4, schedule=[3, 1, 3, 0, 2])
+    oracle.mask_token_id = tiny.target_config()["vocab_size"] - 1
+    responses = list(stream_generate(DFlashModel(model.target, oracle), tokenizer, prompt, max_tokens=30, block_tokens=4))
+    assert [r.token for r in responses] == [r.token for r in alone] and len(alone) == 30
+    assert responses[-1].accepted_tokens == 18 and responses[-1].cycles == 11  # 2.6 tokens per cycle
+    for i, (got, want) in enumerate(zip(responses, alone)):
+        np.testing.assert_allclose(np.array(got.logprobs), np.array(want.logprobs), rtol=0, atol=1e-4,
+                                   err_msg=f"token {i}")
 
 
 def test_prompt_forms(pair):

@@ -43,18 +43,53 @@ def test_the_demo_target_copies_the_edit_file_and_speculation_is_lossless(demo):
     assert_lossless(model.target, mx.array(tokenizer.apply_chat_template(prompt, add_generation_prompt=True)), baseline, drafted)
 
 
-# Measured once with the shipped (bfloat16) pair (greedy, edit prompt 0, 160 tokens, block 4): 3.31
-# tokens per cycle (112 of 144 drafted tokens accepted in 48 cycles; the float32 pair it was cast
-# from: 3.24). The floor leaves room for rounding differences between machines; a draft that does
-# not draft gives about 1.0 (the previous demo draft: 1.03).
-TOKENS_PER_CYCLE_MEASURED = 3.31
-TOKENS_PER_CYCLE_FLOOR = 2.6
+# Measured with the shipped (bfloat16) pair (greedy, edit prompt 0, 160 tokens, block 4): 3.3125
+# tokens per cycle (159 tokens after the prompt's in 48 cycles, 111 of 142 drafted tokens accepted;
+# the last cycle drafts 1, what max_tokens leaves). Greedy at a fixed block, the figure is exact for
+# a given build: the floor is just under it, so that one cycle more fails (159 / 49 = 3.245). A draft
+# that does not draft gives about 1.0.
+TOKENS_PER_CYCLE_MEASURED = 3.3125
+TOKENS_PER_CYCLE_FLOOR = 3.3
+# Auto's choices follow measured cycle times: with real times the same run gave 2.0-3.3 tokens per
+# cycle on this 2-core machine (blocks 2 and 3 when a neighbour's load made drafting look dear).
+# So the test hands the controller modelled times instead (``cycle_cost``, in decode steps: a verify
+# cycle of 4 costs 2.7, as measured here, DESIGN.md §7) and its choices become exact too: 3.245
+# tokens per cycle (159 in 49 cycles: blocks 4: 41, 3: 6, 2: 2); the floor fails at 50 cycles.
+AUTO_TOKENS_PER_CYCLE_MEASURED = 3.245
+AUTO_TOKENS_PER_CYCLE_FLOOR = 3.2
+
+
+def cycle_cost(block: int) -> float:
+    """Seconds (in decode steps) a cycle of ``block`` costs on this CPU: a draft pass of 0.7, a
+    third of a step per verified draft row."""
+    return 1.0 if block == 1 else 1.7 + (block - 1) / 3
+
+
+def tokens_per_cycle(model, tokenizer, block_tokens) -> float:
+    prompt = [{"role": "user", "content": SUITES["edit"][0]}]
+    last = None
+    for last in stream_generate(model, tokenizer, prompt, max_tokens=160, block_tokens=block_tokens):
+        pass
+    assert last.generation_tokens == 160
+    return last.tokens_per_cycle
 
 
 def test_the_demo_draft_keeps_its_measured_acceptance(demo):
     model, tokenizer = demo
-    prompt = [{"role": "user", "content": SUITES["edit"][0]}]
-    last = None
-    for last in stream_generate(model, tokenizer, prompt, max_tokens=160, block_tokens=4):
-        pass
-    assert last.tokens_per_cycle >= TOKENS_PER_CYCLE_FLOOR, (last.tokens_per_cycle, TOKENS_PER_CYCLE_MEASURED)
+    got = tokens_per_cycle(model, tokenizer, 4)
+    assert got >= TOKENS_PER_CYCLE_FLOOR, (got, TOKENS_PER_CYCLE_MEASURED)
+
+
+def test_auto_keeps_its_measured_acceptance_on_the_demo(demo, monkeypatch):
+    from dflash_mlx import api
+    from dflash_mlx.block_policy import AutoBlock, BlockStats
+
+    class ModelledTimes(AutoBlock):
+        def observe(self, block, accepted, seconds, *args, **kwargs):
+            super().observe(block, accepted, cycle_cost(block), *args, **kwargs)
+
+    model, tokenizer = demo
+    monkeypatch.setattr(api, "AutoBlock", ModelledTimes)
+    monkeypatch.setattr(model, "block_stats", BlockStats())  # as a fresh load starts
+    got = tokens_per_cycle(model, tokenizer, "auto")
+    assert got >= AUTO_TOKENS_PER_CYCLE_FLOOR, (got, AUTO_TOKENS_PER_CYCLE_MEASURED)

@@ -42,6 +42,31 @@ def test_next_turn_prefills_only_what_is_new(pair, use_draft):
     assert_lossless(model.target, mx.array(turn2), fresh, out2)
 
 
+def test_the_next_turn_after_a_length_stop_reuses_the_whole_answer_but_its_last_token(pair):
+    """Speculative, with a draft that is always right (blocks of 4): an answer cut by
+    ``max_tokens`` = 11 = 1 + 4 + 4 + 2 ends inside what a full cycle would accept. The caches hold
+    the prompt and the answer but its last token, nothing past the answer (a last cycle verifying a
+    full block left two tokens past it there, and the next turn restarted from the prompt's
+    checkpoint), so the next turn reuses all of them and prefills only what is new."""
+    from dflash_mlx.api import DFlashModel
+    from tests.test_lossless import OracleDraft
+
+    model, tokenizer = pair
+    cache, turn1 = PromptCache(), ids(21, 30)
+    alone1, _ = run(model, tokenizer, turn1, use_draft=False, max_tokens=16)
+    oracle = OracleDraft(turn1 + alone1, 4, schedule=[3])  # 3: no slot corrupted
+    spec = DFlashModel(model.target, oracle)
+    out1, last1 = run(spec, tokenizer, turn1, prompt_cache=cache, max_tokens=11, block_tokens=4)
+    assert out1 == alone1[:11] and last1.finish_reason == "length"
+    assert (last1.cycles, last1.accepted_tokens, last1.drafted_tokens) == (3, 7, 7)  # blocks 4, 4, 2
+    turn2 = turn1 + out1 + ids(22, 7)
+    alone2, _ = run(model, tokenizer, turn2, use_draft=False, max_tokens=11)
+    oracle.sequence = turn2 + alone2  # the same draft object: the history belongs to this pair
+    out2, last2 = run(spec, tokenizer, turn2, prompt_cache=cache, max_tokens=11, block_tokens=4)
+    assert last2.cached_prompt_tokens == len(turn1) + len(out1) - 1
+    assert out2 == alone2 and last2.accepted_tokens == 7  # the draft's context lines up with the target's
+
+
 def test_shared_context_restarts_from_a_checkpoint(pair):
     """Editors resend a long file with a different question: reuse up to the last checkpoint."""
     model, tokenizer = pair
