@@ -28,6 +28,7 @@ import os
 import warnings
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
@@ -44,9 +45,20 @@ KERNEL_IO = {
 THREADGROUP = (32, 4, 1)  # one simdgroup per value row, four rows of one head per threadgroup
 
 
+def metal_sources():
+    """Where the kernels' ``.metal`` files are: ``metal/`` beside the package in a checkout (an
+    editable install maps ``dflash_mlx.metal`` to the checkout it was installed from, which need
+    not be the one imported: another worktree on ``PYTHONPATH``), else the installed
+    ``dflash_mlx.metal``."""
+    checkout = Path(__file__).resolve().parents[1]
+    if (checkout / "metal" / "__init__.py").is_file() and (checkout / "pyproject.toml").is_file():
+        return checkout / "metal"
+    return resources.files("dflash_mlx.metal")
+
+
 def kernel_source(name: str) -> str:
     """The body of a Metal kernel, as shipped in the package (``metal/`` in a checkout)."""
-    return resources.files("dflash_mlx.metal").joinpath(f"{name}.metal").read_text()
+    return metal_sources().joinpath(f"{name}.metal").read_text()
 
 
 def metal_supports(k_head_dim: int, k_heads: int, v_head_dim: int, v_heads: int) -> bool:

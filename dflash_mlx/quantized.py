@@ -33,7 +33,7 @@ from . import kernels
 MAX_ROWS = 16
 ROW_BUCKETS = (1, 2, 4, 8, 16)  # the kernel's accumulator counts (template Rows); M rounds up
 COLUMNS = 4  # output columns per simdgroup (the kernel's `columns`)
-THREADGROUP = (32, 2, 1)
+THREADGROUP = (32, 4, 1)  # four simdgroups (16 columns) share each staged slice of x
 KERNEL = "quantized_verify"
 MODES = {"affine": 0, "mxfp4": 1}
 KERNEL_BITS = {"affine": (4, 8), "mxfp4": (4,)}
@@ -83,23 +83,38 @@ def quantized_verify_reference(x: mx.array, w: mx.array, scales: mx.array, biase
     return (x.astype(mx.float32) @ weight.T).astype(x.dtype)
 
 
+def cancelling_layer(rows: int, K: int, N: int, bits: int, group_size: int, mode: str, dtype: mx.Dtype, seed: int = 0):
+    """A random quantized layer whose second half of K repeats its first, and ``rows`` rows of x
+    whose second half negates the first: every exact result is 0, so each output is the rounding
+    error of its own summation order (any change of that order shows, even in a 16-bit output),
+    while the partial sums stay large. Returns ``(x_random, x_cancelling, w, scales, biases)``."""
+    kx, kc, kw = mx.random.split(mx.random.key(seed), 3)
+    half = K // 2
+    w, scales, *biases = mx.quantize(mx.random.normal((N, half), key=kw).astype(dtype), group_size, bits, mode=mode)
+    w, scales = mx.concatenate([w, w], axis=1), mx.concatenate([scales, scales], axis=1)
+    bias = mx.concatenate([biases[0], biases[0]], axis=1) if biases else None
+    x = mx.random.normal((rows, K), key=kx).astype(dtype)
+    u = (mx.random.uniform(-1.0, 1.0, (rows, half), key=kc) * 2048).astype(dtype)
+    return x, mx.concatenate([u, -u], axis=1), w, scales, bias
+
+
 def _check_quantized(metal: kernels.MetalKernels, name: str, template: dict) -> Optional[str]:
-    """On a small random layer: every row within float tolerance of the reference, and bit for bit
-    the same row computed alone (a one-row call), which is what keeps verify equal to decode."""
+    """On a small random layer (three steps of K): every row within float tolerance of the
+    reference; and on cancelling rows (``cancelling_layer``), the last row bit for bit the same
+    row computed alone (a one-row call), which is what keeps verify equal to decode."""
     dtype, rows, bits, group_size = template["OutT"], template["Rows"], template["bits"], template["group_size"]
     mode = next(m for m, code in MODES.items() if code == template["Mode"])
-    K, N = 2 * group_size * (1 if bits == 8 else 2), 2 * COLUMNS + 1
-    kx, kw = mx.random.split(mx.random.key(rows * 1000 + bits * 10 + group_size))
-    x = mx.random.normal((rows, K), key=kx).astype(dtype)
-    w, scales, *biases = mx.quantize(mx.random.normal((N, K), key=kw).astype(dtype), group_size, bits, mode=mode)
-    bias = biases[0] if biases else None
+    K, N = 768, 2 * COLUMNS + 1
+    x, cancelling, w, scales, bias = cancelling_layer(rows, K, N, bits, group_size, mode, dtype,
+                                                      seed=rows * 1000 + bits * 10 + group_size)
     (y,) = metal.run(quantized_verify_launch(x, w, scales, bias, group_size, bits, mode, rows=rows))
     want = quantized_verify_reference(x, w, scales, bias, group_size, bits, mode)
     tolerance = {mx.float32: 1e-4, mx.float16: 4e-3, mx.bfloat16: 3e-2}[dtype]
     if not mx.allclose(y.astype(mx.float32), want.astype(mx.float32), atol=tolerance * math.sqrt(K), rtol=tolerance).item():
         return f"its output differs from the reference (M={rows}, K={K}, N={N})"
     if rows > 1:
-        (alone,) = metal.run(quantized_verify_launch(x[-1:], w, scales, bias, group_size, bits, mode, rows=1))
+        (y,) = metal.run(quantized_verify_launch(cancelling, w, scales, bias, group_size, bits, mode, rows=rows))
+        (alone,) = metal.run(quantized_verify_launch(cancelling[-1:], w, scales, bias, group_size, bits, mode, rows=1))
         if not mx.array_equal(alone[0], y[-1]).item():
             return f"row {rows - 1} of a {rows}-row call differs from the same row computed alone"
     return None

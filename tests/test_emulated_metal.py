@@ -212,7 +212,7 @@ def test_a_kernel_that_fails_its_self_check_falls_back(hf_target_dir, tmp_path, 
 
 
 # Quantized targets and drafts: every quantized matmul of 1..16 rows through the verify kernel.
-WRONG_ROW = ("xs[i] = static_cast<float>(x[m * K + k0 + i]);", "xs[i] = static_cast<float>(x[k0 + i]);")
+WRONG_ROW = ("static_cast<float>(x[r * K + k])", "static_cast<float>(x[k])")
 
 
 def quantized_mac_pair(path, draft_dir, bits, sources=None, self_check=True):

@@ -330,3 +330,13 @@ def test_metal_kernels_on_an_apple_gpu(dtype):
                     atol=1e-5, rtol=1e-5,
                 )
     assert set(metal.report().values()) == {"ok"}, metal.report()
+
+
+def test_kernel_sources_are_read_from_this_checkout():
+    """In a checkout the ``.metal`` files beside the imported package are the ones run (an editable
+    install maps ``dflash_mlx.metal`` to the checkout it was installed from, maybe another one)."""
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parents[1] / "metal"
+    assert Path(str(kernels.metal_sources())) == here
+    assert kernels.kernel_source("quantized_verify") == (here / "quantized_verify.metal").read_text()

@@ -5,6 +5,7 @@ the per-shape choice (``QuantizedMatmuls``, the tuner and its cache)."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from dflash_mlx import kernels, quantized
-from tests.metal_emulation import LOWEST_FIRST, PARALLEL, EmulatedMetal, mutated_sources
+from tests.metal_emulation import HIGHEST_FIRST, LOWEST_FIRST, PARALLEL, EmulatedMetal, mutated_sources
 
 # (mode, bits, group size): every form the kernel has.
 FORMS = [("affine", 4, 32), ("affine", 4, 64), ("affine", 4, 128), ("affine", 8, 32), ("affine", 8, 64),
@@ -46,57 +47,56 @@ def assert_matches_reference(got, x, w, scales, biases, mode, bits, group_size):
     np.testing.assert_allclose(got, want, atol=TOLERANCE[x.dtype] * scale, rtol=TOLERANCE[x.dtype])
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def exact(a) -> np.ndarray:
+    return np.array(a.astype(mx.float32))  # widening is exact: equal iff the bits are
+
+
+# Every accumulator count on one group size per form; the other group sizes (they change only the
+# index of a run's scale) at the 1 and 16 accumulator counts.
+SWEPT_FORMS = [("affine", 4, 64), ("affine", 8, 128), ("mxfp4", 4, 32)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [mx.float32], ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("form", FORMS, ids=lambda f: f"{f[0]}{f[1]}-gs{f[2]}")
-def test_the_kernel_equals_the_reference_for_every_form_and_row_count(form, dtype):
-    """M = 1..16 in one 16-accumulator specialization, on K one and a half simdgroup steps (lanes
-    past the edge idle) with N not a multiple of the 4 columns a simdgroup writes, and on a random
-    shape (K a random number of groups, N random, one column included)."""
+def test_every_row_equals_the_reference_and_the_row_computed_alone(form, dtype):
+    """M = 1..16, each in the accumulator count it rounds up to, the two serial thread schedules
+    taking turns: every row within rounding of the reference, and bit for bit the same row computed
+    alone (one row, one accumulator) and computed beside other companion rows. K is one and a half
+    steps of 256 (lanes past the edge idle in the second), N = 21 spans a full threadgroup of four
+    simdgroups and a partial one, and is not a multiple of the 4 columns a simdgroup writes."""
     mode, bits, group_size = form
-    seed = FORMS.index(form) * 10 + DTYPES.index(dtype)
-    rng = np.random.default_rng(seed)
-    step = 32 * (16 if bits == 4 else 8)
-    shapes = [(max(group_size, step + step // 2), 4 * 3 + 1),
-              (group_size * int(rng.integers(1, 3 * step // group_size)), int(rng.integers(1, 24)))]
-    metal = emulated()
-    for K, N in shapes:
-        x, w, scales, biases = layer(seed, K, N, mode, bits, group_size, dtype)
-        for M in range(1, 17):
-            got = run(metal, x[:M], w, scales, biases, mode, bits, group_size, rows=16)
-            assert got.shape == (M, N) and got.dtype == dtype
+    seed = FORMS.index(form) * 10 + (DTYPES + [mx.float32]).index(dtype)
+    K, N = max(group_size, 384), 21
+    x, w, scales, biases = layer(seed, K, N, mode, bits, group_size, dtype)
+    other, *_ = layer(seed + 100, K, N, mode, bits, group_size, dtype)
+    metals = [emulated(schedule=LOWEST_FIRST), emulated(schedule=HIGHEST_FIRST)]
+    alone = [exact(run(metals[r % 2], x[r : r + 1], w, scales, biases, mode, bits, group_size)[0]) for r in range(16)]
+    counts = range(1, 17) if form in SWEPT_FORMS else (5, 16)
+    for M in counts:
+        rows = None if form in SWEPT_FORMS else 16
+        got = run(metals[M % 2], x[:M], w, scales, biases, mode, bits, group_size, rows=rows)
+        assert got.shape == (M, N) and got.dtype == dtype
+        assert_matches_reference(got, x[:M], w, scales, biases, mode, bits, group_size)
+        for r, row in enumerate(exact(got)):
+            np.testing.assert_array_equal(row, alone[r], err_msg=f"row {r} of an {M}-row call")
+        mixed = mx.concatenate([other[: M - 1], x[M - 1 : M]])  # row M-1 beside other companions
+        np.testing.assert_array_equal(exact(run(metals[(M + 1) % 2], mixed, w, scales, biases, mode, bits, group_size,
+                                                rows=rows)[M - 1]), alone[M - 1])
+
+
+def test_free_running_threads_and_random_shapes():
+    """The threads of a threadgroup interleaved by the OS give the serial schedules' bits, on
+    random shapes (K a random number of groups, N from one column up)."""
+    rng = np.random.default_rng(3)
+    serial, free = emulated(schedule=LOWEST_FIRST), emulated(schedule=PARALLEL)
+    for mode, bits, group_size in SWEPT_FORMS:
+        K = group_size * int(rng.integers(1, 3 * 256 // group_size))
+        N = int(rng.integers(1, 40))
+        x, w, scales, biases = layer(int(rng.integers(1000)), K, N, mode, bits, group_size, mx.bfloat16)
+        for M in (1, 3, 8, 16):
+            got = run(free, x[:M], w, scales, biases, mode, bits, group_size)
             assert_matches_reference(got, x[:M], w, scales, biases, mode, bits, group_size)
-
-
-def test_every_accumulator_count_and_free_running_threads():
-    """M rounds up to 1, 2, 4, 8 or 16 accumulators; each bucket is right, with the threads of a
-    threadgroup interleaved by the OS as well as in the serial schedule."""
-    mode, bits, group_size = "affine", 4, 64
-    x, w, scales, biases = layer(3, 512, 9, mode, bits, group_size, mx.bfloat16)
-    for schedule in (LOWEST_FIRST, PARALLEL):
-        metal = emulated(schedule=schedule)
-        for M in (1, 2, 3, 5, 8, 11, 16):
-            assert_matches_reference(run(metal, x[:M], w, scales, biases, mode, bits, group_size),
-                                     x[:M], w, scales, biases, mode, bits, group_size)
-
-
-@pytest.mark.parametrize("form", [("affine", 4, 64), ("affine", 8, 32), ("mxfp4", 4, 32)], ids=lambda f: f"{f[0]}{f[1]}")
-def test_a_row_does_not_depend_on_the_other_rows(form):
-    """Row r of an M-row call equals, bit for bit, the same row computed alone and computed with
-    other companion rows, whatever accumulator count M rounds up to."""
-    mode, bits, group_size = form
-    dtype = mx.bfloat16 if bits == 4 else mx.float16
-    x, w, scales, biases = layer(11, 256, 10, mode, bits, group_size, dtype)
-    other, *_ = layer(12, 256, 10, mode, bits, group_size, dtype)
-    metal = emulated()
-    exact = lambda a: np.array(a.astype(mx.float32))  # noqa: E731 (widening is exact: equal iff the bits are)
-    alone = [exact(run(metal, x[r : r + 1], w, scales, biases, mode, bits, group_size)[0]) for r in range(16)]
-    for M in (2, 4, 7, 16):
-        rows = exact(run(metal, x[:M], w, scales, biases, mode, bits, group_size))
-        for r in range(M):
-            np.testing.assert_array_equal(rows[r], alone[r], err_msg=f"row {r} of an {M}-row call")
-        mixed = mx.concatenate([other[: M - 1], x[M - 1 : M]])  # row M-1 with different companions
-        last = exact(run(metal, mixed, w, scales, biases, mode, bits, group_size)[M - 1])
-        np.testing.assert_array_equal(last, alone[M - 1])
+            np.testing.assert_array_equal(exact(got), exact(run(serial, x[:M], w, scales, biases, mode, bits, group_size)))
 
 
 def test_shapes_the_kernel_has_no_form_for_are_refused_by_name():
@@ -109,31 +109,61 @@ def test_shapes_the_kernel_has_no_form_for_are_refused_by_name():
         quantized.quantized_verify_launch(mx.zeros((2, 96), mx.float16), w, scales, biases, 32, 4)
 
 
-# Mutants of the kernel: each must be caught by the reference comparison and by the self-check.
+# Mutants of the kernel: each must be caught by the reference comparison or the row-independence
+# comparison, under one of the two serial schedules, and by the self-check.
 MUTATIONS = {
-    "wrong scale (next group's)": ("scale[c] = static_cast<float>(scales[n * groups_per_column + group]);",
-                                   "scale[c] = static_cast<float>(scales[n * groups_per_column + (group + 1) % groups_per_column]);"),
-    "bias dropped": ("metal::fma(bias[c], x_sum, acc[m][c])", "acc[m][c]"),
+    "wrong scale (next group's)": ("scale = static_cast<float>(scales[n * groups_per_column + group]);",
+                                   "scale = static_cast<float>(scales[n * groups_per_column + (group + 1) % groups_per_column]);"),
+    "bias dropped": ("metal::fma(scale, static_cast<float>(q), bias)", "scale * static_cast<float>(q)"),
     "dropped reduction": ("const float total = simd_sum(acc[m][c]);", "const float total = acc[m][c];"),
-    "wrong row index (row 0's input for every row)": ("xs[i] = static_cast<float>(x[m * K + k0 + i]);",
-                                                      "xs[i] = static_cast<float>(x[k0 + i]);"),
+    "row 0's input staged for every row": ("static_cast<float>(x[r * K + k])", "static_cast<float>(x[k])"),
     "wrong output row": ("y[m * N + first + c]", "y[(M - 1 - m) * N + first + c]"),
-    "nibbles read in the wrong order": ("(packed[c][i] >> (j * bits)) & mask", "(packed[c][i] >> ((per_word - 1 - j) * bits)) & mask"),
+    "nibbles read in the wrong order": ("(packed >> (j * bits)) & mask", "(packed >> ((per_word - 1 - j) * bits)) & mask"),
+    "dropped barrier after staging x": ("  threadgroup_barrier(mem_flags::mem_threadgroup);\n\n  const int k0", "\n  const int k0"),
+    "dropped barrier before the next step's staging": (
+        "  threadgroup_barrier(mem_flags::mem_threadgroup);  // before the next step", "  // before the next step"),
+    "a summation order that depends on M": ("acc[m][c] = metal::fma(xr[i], wq[c][i], acc[m][c]);",
+                                            "acc[m][c] = metal::fma(xr[M > 1 ? run - 1 - i : i], wq[c][M > 1 ? run - 1 - i : i], acc[m][c]);"),
+    "e2m1 sign lost": ("e2m1[tid] = (tid & 8u) ? -magnitude : magnitude;", "e2m1[tid] = magnitude;"),
 }
+MUTANT_FORM = {"e2m1 sign lost": ("mxfp4", 4, 32)}
+
+
+def caught(sources, form, schedule) -> bool:
+    """The reference comparison, and the row-independence comparison on cancelling rows (each
+    output the rounding error of its own summation order: a 16-bit output shows an order change)."""
+    mode, bits, group_size = form
+    x, cancelling, w, scales, biases = quantized.cancelling_layer(4, 1024, 8, bits, group_size, mode, mx.float16, seed=5)
+    metal = emulated(sources, schedule)
+    try:
+        got = run(metal, x, w, scales, biases, mode, bits, group_size)
+        assert_matches_reference(got, x, w, scales, biases, mode, bits, group_size)
+        rows = run(metal, cancelling, w, scales, biases, mode, bits, group_size)
+        np.testing.assert_array_equal(exact(rows[-1]), exact(run(metal, cancelling[-1:], w, scales, biases, mode, bits,
+                                                                  group_size)[0]))
+    except AssertionError:
+        return True
+    return False
 
 
 @pytest.mark.parametrize("mutation", list(MUTATIONS), ids=list(MUTATIONS))
 def test_the_harness_catches_broken_kernels(mutation):
     sources = mutated_sources(quantized.KERNEL, *MUTATIONS[mutation])
-    mode, bits, group_size = "affine", 4, 32
+    form = MUTANT_FORM.get(mutation, ("affine", 4, 32))
+    assert caught(sources, form, LOWEST_FIRST) or caught(sources, form, HIGHEST_FIRST), f"{mutation} went unnoticed"
+    mode, bits, group_size = form
     x, w, scales, biases = layer(5, 1024, 8, mode, bits, group_size, mx.float16, M=4)
-    with pytest.raises(AssertionError):
-        assert_matches_reference(run(emulated(sources), x, w, scales, biases, mode, bits, group_size),
-                                 x, w, scales, biases, mode, bits, group_size)
     template = quantized.quantized_verify_launch(x, w, scales, biases, group_size, bits, mode).template
-    checked = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST, sources))
-    with pytest.warns(RuntimeWarning, match="quantized_verify float16 Rows=4 bits=4 group_size=32 Mode=0 failed"):
-        assert not checked.usable(quantized.KERNEL, template, quantized._check_quantized)
+    for schedule in (LOWEST_FIRST, HIGHEST_FIRST):
+        checked = kernels.MetalKernels(EmulatedMetal(schedule, sources))
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            if not checked.usable(quantized.KERNEL, template, quantized._check_quantized):
+                assert f"quantized_verify float16 Rows=4 bits={bits} group_size={group_size} Mode={quantized.MODES[mode]} failed" \
+                    in str(warned[0].message)
+                break
+    else:
+        raise AssertionError(f"the self-check passed {mutation}")
     assert kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST)).usable(quantized.KERNEL, template, quantized._check_quantized)
 
 
