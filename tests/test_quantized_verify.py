@@ -196,7 +196,7 @@ def test_routed_layers_use_the_kernel_only_where_chosen_and_keep_their_parameter
     after = {k: np.array(v.astype(mx.float32)) for k, v in nn.utils.tree_flatten(model.parameters()) if v is not None}
     assert before.keys() == after.keys() and all(np.array_equal(before[k], after[k]) for k in before)
     assert [layer_(x) for layer_ in model.layers][0].shape == (1, 3, 24) and not calls  # no choices: stock
-    matmuls.choices = {s: quantized.OURS for s in quantized.shapes_of([model], rows=[3])}
+    matmuls.choices = {s: quantized.OURS for s in quantized.shapes_of([model])}
     routed = [layer_(x) for layer_ in model.layers] + [model.embed.as_linear(x)]
     assert sorted(calls) == sorted([(3, 64, 24), (3, 64, 64), (3, 64, 40)])
     for got, want in zip(routed, stock):  # the bias of the second layer included
@@ -207,33 +207,98 @@ def test_routed_layers_use_the_kernel_only_where_chosen_and_keep_their_parameter
     assert quantized.route(model, None) == 3 and not quantized.routes_to_metal(model)
 
 
-def test_the_tuner_follows_measured_times_and_caches_them_per_device(tmp_path):
-    model = quantized_mlp()
-    shapes = quantized.shapes_of([model], rows=[1, 4])
-    assert {(s.K, s.N, s.rows) for s in shapes} == {(64, 24, 1), (64, 64, 1), (64, 40, 1), (64, 24, 4), (64, 64, 4), (64, 40, 4)}
-    metal = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST))
-    # A stand-in clock: the kernel is faster at M=4, stock at M=1 (the timed calls do run).
+def stand_in_clock(kernel_wins_overall):
+    """Timings that prefer stock at M = 1 and the kernel at M = 8, the sum over the timed row counts
+    going to the kernel (or, for the 24-column layer when ``kernel_wins_overall`` is False, to stock).
+    The timed calls do run, and every kernel launch is recorded."""
     def measure(which, fn):
         out = fn()
         mx.eval(out)
+        M, N = out.shape
         if which == quantized.STOCK:
+            return 1.0 if M == 1 else 4.0
+        if M == 1:
             return 2.0
-        return 1.0 if out.shape[0] == 4 else 3.0
+        return 4.5 if N == 24 and not kernel_wins_overall else 1.0
 
+    return measure
+
+
+def recording(metal):
+    launches = []
+    real_run = metal.run
+    metal.run = lambda launch: launches.append(launch) or real_run(launch)
+    return launches
+
+
+def test_one_implementation_per_layer_for_every_row_count(tmp_path):
+    """The tuner decides per shape for every row count at once: where stock is faster at M = 1 but
+    the kernel at M = 8 and over the timed row counts, a decode step (M = 1) and a verify block
+    (M = 8) of that layer both go through the kernel, and each verify row is bit for bit its decode
+    step; where stock wins overall, both run stock and the layer stays compiled. Timed on the
+    layers' own weights, choices cached per device."""
+    model = quantized_mlp()
+    layers = quantized.layers_of([model])
+    assert {(s.K, s.N) for s in layers} == {(64, 24), (64, 64), (64, 40)}
+    metal = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST))
+    launches = recording(metal)
+    timings = quantized.tune(metal, layers, stand_in_clock(kernel_wins_overall=False))
+    assert all(set(t.stock_s) == set(quantized.TUNED_ROWS) for t in timings)
+    assert {t.shape.N: t.choice for t in timings} == {24: quantized.STOCK, 64: quantized.OURS, 40: quantized.OURS}
+    assert {launch.inputs[1] is layers[t.shape]["weight"] for launch in launches for t in timings
+            if launch.inputs[6] == t.shape.N} == {True}  # the layer's own packed weights, not random ones
     cache = quantized.TuningCache(tmp_path / "tuning.json", "test-gpu")
-    timings = quantized.tune(metal, shapes, measure)
     cache.record(timings)
-    assert {t.shape.rows: t.choice for t in timings} == {1: quantized.STOCK, 4: quantized.OURS}
-    stored = json.loads((tmp_path / "tuning.json").read_text())
-    assert set(stored) == {"test-gpu"} and len(stored["test-gpu"]) == 6
     again = quantized.TuningCache(tmp_path / "tuning.json", "test-gpu")
-    assert again.missing(shapes) == [] and again.choices() == {t.shape: t.choice for t in timings}
-    assert quantized.TuningCache(tmp_path / "tuning.json", "another-gpu").missing(shapes) == shapes
+    assert again.missing(layers) == [] and again.choices() == {t.shape: t.choice for t in timings}
+    assert quantized.TuningCache(tmp_path / "tuning.json", "another-gpu").missing(layers) == list(layers)
+
+    matmuls = quantized.QuantizedMatmuls(metal, again.choices())
+    quantized.route(model, matmuls)
+    x = mx.random.normal((8, 64), key=mx.random.key(1)).astype(mx.bfloat16)
+    for layer_, n, through_kernel in ((model.layers[1], 64, True), (model.layers[0], 24, False)):
+        launches.clear()
+        decode = [exact(layer_(x[r : r + 1])) for r in range(8)]
+        verify = exact(layer_(x))
+        rows = sorted({launch.inputs[4] for launch in launches if launch.inputs[6] == n})
+        assert rows == ([1, 8] if through_kernel else [])
+        if through_kernel:  # stock's qmv and qmv_wide/qmm may round differently; the kernel may not
+            for r in range(8):
+                np.testing.assert_array_equal(verify[r], decode[r][0], err_msg=f"row {r}")
+    assert quantized.routes_to_metal(model.layers[1]) and not quantized.routes_to_metal(model.layers[0])
     lines = quantized.render_timings(timings)
-    assert "choice" in lines[0] and any(line.endswith("kernel") for line in lines[1:])
-    # The real clock on one shape: a positive time for each side.
-    (real,) = quantized.tune(metal, shapes[:1], lambda which, fn: quantized.wall_time(which, fn, repeats=2, warmup=1))
-    assert real.stock_s > 0 and real.kernel_s > 0
+    assert "M=8 stock/kernel" in lines[0] and any(line.endswith("kernel") for line in lines[1:])
+
+
+def test_a_form_failing_a_self_check_at_one_row_count_runs_stock_at_every_row_count():
+    """A kernel broken only in its 16-accumulator form: a layer that chose the kernel runs stock at
+    M = 1 too (the decode step may not take the kernel while the verify block takes stock)."""
+    broken = mutated_sources(quantized.KERNEL, "acc[m][c] = metal::fma(xr[i], wq[c][i], acc[m][c]);",
+                             "acc[m][c] = metal::fma(xr[i], Rows == 16 ? 0.0f : wq[c][i], acc[m][c]);")
+    model = quantized_mlp()
+    x = mx.random.normal((1, 64), key=mx.random.key(2)).astype(mx.bfloat16)
+    stock = exact(model.layers[0](x))
+    matmuls = quantized.QuantizedMatmuls(kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST, broken)),
+                                         {s: quantized.OURS for s in quantized.shapes_of([model])})
+    quantized.route(model, matmuls)
+    with pytest.warns(RuntimeWarning, match="Rows=16 .* failed its self-check"):
+        np.testing.assert_array_equal(exact(model.layers[0](x)), stock)
+    assert [v == "ok" for k, v in matmuls.metal.report().items()] == [True, True, True, True, False]
+
+
+def test_the_tuner_needs_its_margin_and_times_batches_of_calls():
+    model = quantized_mlp()
+    layers = quantized.layers_of([model])
+    metal = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST))
+    close = lambda which, fn: mx.eval(fn()) or (0.97 if which == quantized.OURS else 1.0)  # noqa: E731
+    assert {t.choice for t in quantized.tune(metal, layers, close)} == {quantized.STOCK}  # 3% is noise
+    calls = []
+    counted = lambda: calls.append(1) or mx.zeros((1,))  # noqa: E731
+    assert quantized.batch_time(quantized.STOCK, counted, calls=4, repeats=3, warmup=1) > 0 and len(calls) == 1 + 4 * 3
+    # The real clock on one shape: a positive time for each side at each timed row count.
+    (real,) = quantized.tune(metal, dict(list(layers.items())[:1]),
+                             lambda which, fn: quantized.batch_time(which, fn, calls=2, repeats=1, warmup=1))
+    assert min(real.stock_s.values()) > 0 and min(real.kernel_s.values()) > 0
 
 
 def test_the_traffic_model_follows_mlx_dispatch_rules():
@@ -267,11 +332,15 @@ def test_load_routes_the_pair_through_the_cached_choices(tmp_path, monkeypatch):
     plain, tokenizer = api.load("demo", draft_quant="w4", matmuls=None)
     assert plain.matmuls is None and not quantized.routes_to_metal(plain.draft)
     cache = quantized.TuningCache.for_this_device()
-    cache.record([quantized.Timing(s, 2.0, 1.0) for s in quantized.shapes_of([plain.target, plain.draft])])
+    cache.record([quantized.Timing(s, {1: 2.0}, {1: 1.0}) for s in quantized.shapes_of([plain.target, plain.draft])])
     metal = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST))
     routed, _ = api.load("demo", draft_quant="w4", matmuls=quantized.QuantizedMatmuls(metal))
     assert quantized.routes_to_metal(routed.draft) and all(layer.eager for layer in routed.draft.layers)
     assert set(routed.matmuls.choices.values()) == {quantized.OURS}
+    where_stock_won = quantized.QuantizedMatmuls(metal, {s: quantized.STOCK for s in routed.matmuls.choices})
+    quantized.route_layers(plain.draft, plain.draft.layers, where_stock_won)
+    assert not any(layer.eager for layer in plain.draft.layers)  # compiled: nothing of theirs runs the kernel
+    quantized.route_layers(plain.draft, plain.draft.layers, None)
     prompt = "def fib(n):"
     texts = [api.generate(m, tokenizer, prompt, max_tokens=12, block_tokens=4) for m in (plain, routed)]
     assert texts[0] == texts[1]
