@@ -169,11 +169,14 @@ def _check_kernels(report: Report, metal: Optional[kernels.MetalKernels], shapes
         for Dk, Hk, Dv, Hv in shapes:
             if not kernels.metal_supports(Dk, Hk, Dv, Hv):
                 continue
-            template = (("InT", dtype), ("StT", mx.float32), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv))
+            template = dict(InT=dtype, StT=mx.float32, Dk=Dk, Dv=Dv, Hk=Hk, Hv=Hv)
             with mx.stream(stream), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # reported below instead
-                for name in kernels.KERNEL_NAMES:
-                    metal.usable(name, template)
+                for T in (1, 8):  # a decode step (few heads: g and beta in the constant space) and a block
+                    q, k, v, g, beta, state = kernels._check_inputs(template, T, dtype)
+                    metal.usable(kernels.gated_delta_launch(q, k, v, g, beta, state))
+                    metal.usable(kernels.tape_replay_launch(state, k, g, mx.zeros(v.shape, dtype=mx.float32), T))
+                    metal.usable(kernels.mlx_lm_launch(q, k, v, g, beta, state), kernels._check_mlx_lm)  # the fallback
     for label, result in metal.report().items():
         if result == "ok":
             report.add(f"kernel {label}", OK, "compiled and matched the reference")

@@ -78,36 +78,56 @@ def quantized_verify_launch(x: mx.array, w: mx.array, scales: mx.array, biases: 
 
 def quantized_verify_reference(x: mx.array, w: mx.array, scales: mx.array, biases: Optional[mx.array],
                                group_size: int, bits: int, mode: str = "affine") -> mx.array:
-    """Dequantize, then one float32 matmul: what the kernel computes, up to summation order."""
+    """Dequantize in float32 (the kernel's `scale * q + bias` does not round to the scales'
+    dtype), then one float32 matmul: what the kernel computes, up to summation order."""
+    if mode == "affine":
+        scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
     weight = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits, mode=mode).astype(mx.float32)
     return (x.astype(mx.float32) @ weight.T).astype(x.dtype)
 
 
-def cancelling_layer(rows: int, K: int, N: int, bits: int, group_size: int, mode: str, dtype: mx.Dtype, seed: int = 0):
-    """A random quantized layer whose second half of K repeats its first, and ``rows`` rows of x
-    whose second half negates the first: every exact result is 0, so each output is the rounding
-    error of its own summation order (any change of that order shows, even in a 16-bit output),
-    while the partial sums stay large. Returns ``(x_random, x_cancelling, w, scales, biases)``."""
+def cancelling_layer(rows: int, K: int, N: int, bits: int, group_size: int, mode: str, dtype: mx.Dtype, seed: int = 0,
+                     scale_dtype: Optional[mx.Dtype] = None):
+    """A random quantized layer (scales in ``scale_dtype``, x's dtype by default) whose second half
+    of K repeats its first, and ``rows`` rows of x whose second half negates the first: every exact
+    result is 0, so each output is the rounding error of its own summation order (any change of
+    that order shows, even in a 16-bit output), while the partial sums stay large. Returns
+    ``(x_random, x_cancelling, w, scales, biases)``; where K is not two whole halves of groups the
+    second x is random too."""
     kx, kc, kw = mx.random.split(mx.random.key(seed), 3)
-    half = K // 2
-    w, scales, *biases = mx.quantize(mx.random.normal((N, half), key=kw).astype(dtype), group_size, bits, mode=mode)
-    w, scales = mx.concatenate([w, w], axis=1), mx.concatenate([scales, scales], axis=1)
-    bias = mx.concatenate([biases[0], biases[0]], axis=1) if biases else None
+    split = K % (2 * group_size) == 0
+    half = K // 2 if split else K
+    w, scales, *biases = mx.quantize(mx.random.normal((N, half), key=kw).astype(scale_dtype or dtype), group_size, bits,
+                                     mode=mode)
+    bias = biases[0] if biases else None
     x = mx.random.normal((rows, K), key=kx).astype(dtype)
+    if not split:
+        return x, mx.random.normal((rows, K), key=kc).astype(dtype), w, scales, bias
+    w, scales = mx.concatenate([w, w], axis=1), mx.concatenate([scales, scales], axis=1)
+    bias = None if bias is None else mx.concatenate([bias, bias], axis=1)
     u = (mx.random.uniform(-1.0, 1.0, (rows, half), key=kc) * 2048).astype(dtype)
     return x, mx.concatenate([u, -u], axis=1), w, scales, bias
 
 
-def _check_quantized(metal: kernels.MetalKernels, name: str, template: dict) -> Optional[str]:
-    """On a small random layer (three steps of K): every row within float tolerance of the
-    reference; and on cancelling rows (``cancelling_layer``), the last row bit for bit the same
-    row computed alone (a one-row call), which is what keeps verify equal to decode."""
+def _check_quantized(metal: kernels.MetalKernels, launch: kernels.Launch) -> Optional[str]:
+    """On a small random layer (three steps of K), in the call's signature (dtypes and address
+    spaces: the call's own K and N where a small layer puts some input in the ``constant`` space):
+    every row within float tolerance of the reference; and on cancelling rows
+    (``cancelling_layer``), the last row bit for bit the same row computed alone (a one-row call),
+    which is what keeps verify equal to decode."""
+    template = dict(launch.template)
     dtype, rows, bits, group_size = template["OutT"], template["Rows"], template["bits"], template["group_size"]
     mode = next(m for m, code in MODES.items() if code == template["Mode"])
-    K, N = 768, 2 * COLUMNS + 1
-    x, cancelling, w, scales, bias = cancelling_layer(rows, K, N, bits, group_size, mode, dtype,
-                                                      seed=rows * 1000 + bits * 10 + group_size)
-    (y,) = metal.run(quantized_verify_launch(x, w, scales, bias, group_size, bits, mode, rows=rows))
+    scale_dtype = getattr(mx, launch.signature[2][0]) if mode == "affine" else dtype
+    seed = rows * 1000 + bits * 10 + group_size
+    for K, N in ((768, 2 * COLUMNS + 1), (launch.inputs[5], launch.inputs[6])):
+        x, cancelling, w, scales, bias = cancelling_layer(rows, K, N, bits, group_size, mode, dtype, seed, scale_dtype)
+        call = quantized_verify_launch(x, w, scales, bias, group_size, bits, mode, rows=rows)
+        if call.signature == launch.signature:
+            break
+    else:
+        return "its self-check cannot make a call of this signature"
+    (y,) = metal.run(call)
     want = quantized_verify_reference(x, w, scales, bias, group_size, bits, mode)
     tolerance = {mx.float32: 1e-4, mx.float16: 4e-3, mx.bfloat16: 3e-2}[dtype]
     if not mx.allclose(y.astype(mx.float32), want.astype(mx.float32), atol=tolerance * math.sqrt(K), rtol=tolerance).item():
@@ -141,12 +161,15 @@ def dtype_name(dtype: mx.Dtype) -> str:
     return str(dtype).split(".")[-1]  # "bfloat16"
 
 
-def form_usable(metal: kernels.MetalKernels, dtype: mx.Dtype, bits: int, group_size: int, mode: str) -> bool:
-    """Whether the kernel may run a layer of this form at every row count: each accumulator count
-    (1, 2, 4, 8, 16) passed its self-check. One failing makes the whole form stock, so that no layer
-    runs the kernel at some row counts and stock at others."""
-    return all(metal.usable(KERNEL, (("OutT", dtype), ("Rows", rows), ("bits", bits), ("group_size", group_size),
-                                     ("Mode", MODES[mode])), _check_quantized) for rows in ROW_BUCKETS)
+def form_usable(metal: kernels.MetalKernels, dtype: mx.Dtype, w: mx.array, scales: mx.array, biases: Optional[mx.array],
+                group_size: int, bits: int, mode: str) -> bool:
+    """Whether the kernel may run this layer (its arrays, activations of ``dtype``) at every row
+    count: each accumulator count (1, 2, 4, 8, 16) passed its self-check in the signature the
+    layer's calls have. One failing makes the layer stock at every row count, so that no layer runs
+    the kernel at some row counts and stock at others."""
+    K = w.shape[1] * 32 // bits
+    return all(metal.usable(quantized_verify_launch(mx.zeros((rows, K), dtype=dtype), w, scales, biases, group_size, bits,
+                                                    mode), _check_quantized) for rows in ROW_BUCKETS)
 
 
 class QuantizedMatmuls:
@@ -184,7 +207,7 @@ class QuantizedMatmuls:
             return None
         if not always and not self.chosen(MatmulShape(K, w.shape[0], bits, group_size, mode, dtype_name(x.dtype))):
             return None
-        if not form_usable(self.metal, x.dtype, bits, group_size, mode):
+        if not form_usable(self.metal, x.dtype, w, scales, biases, group_size, bits, mode):
             return None
         launch = quantized_verify_launch(x.reshape(rows, K), w, scales, biases, group_size, bits, mode)
         return self.metal.run(launch)[0].reshape(*x.shape[:-1], w.shape[0])
@@ -359,7 +382,7 @@ def tune(metal: kernels.MetalKernels, layers, measure: Callable[[str, Callable[[
     for i, (shape, layer) in enumerate(layers.items()):
         w, scales, biases = _arrays(layer)
         dtype = getattr(mx, shape.dtype)
-        usable = form_usable(metal, dtype, shape.bits, shape.group_size, shape.mode)
+        usable = form_usable(metal, dtype, w, scales, biases, shape.group_size, shape.bits, shape.mode)
         stock, ours = {}, ({} if usable else None)
         for M in rows:
             x = mx.random.normal((M, shape.K), key=mx.random.key(M)).astype(dtype)

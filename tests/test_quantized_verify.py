@@ -153,18 +153,19 @@ def test_the_harness_catches_broken_kernels(mutation):
     assert caught(sources, form, LOWEST_FIRST) or caught(sources, form, HIGHEST_FIRST), f"{mutation} went unnoticed"
     mode, bits, group_size = form
     x, w, scales, biases = layer(5, 1024, 8, mode, bits, group_size, mx.float16, M=4)
-    template = quantized.quantized_verify_launch(x, w, scales, biases, group_size, bits, mode).template
+    launch = quantized.quantized_verify_launch(x, w, scales, biases, group_size, bits, mode)
     for schedule in (LOWEST_FIRST, HIGHEST_FIRST):
         checked = kernels.MetalKernels(EmulatedMetal(schedule, sources))
         with warnings.catch_warnings(record=True) as warned:
             warnings.simplefilter("always")
-            if not checked.usable(quantized.KERNEL, template, quantized._check_quantized):
-                assert f"quantized_verify float16 Rows=4 bits={bits} group_size={group_size} Mode={quantized.MODES[mode]} failed" \
-                    in str(warned[0].message)
+            if not checked.usable(launch, quantized._check_quantized):
+                message = str(warned[0].message)
+                assert f"quantized_verify float16 Rows=4 bits={bits} group_size={group_size} Mode={quantized.MODES[mode]}" \
+                    in message and "failed its self-check" in message
                 break
     else:
         raise AssertionError(f"the self-check passed {mutation}")
-    assert kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST)).usable(quantized.KERNEL, template, quantized._check_quantized)
+    assert kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST)).usable(launch, quantized._check_quantized)
 
 
 def quantized_mlp(bits=4, group_size=32, dtype=mx.bfloat16, tie=False):
