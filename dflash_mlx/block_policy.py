@@ -159,9 +159,14 @@ class CycleCosts:
     """
 
     SETTLED, SAMPLE, REFIT, CLIP = 8, 8, 4, 1.5
+    PRIOR_SIZES = 3  # distinct sizes measured before the line replaces the prior's shape
 
-    def __init__(self, forget: float = 0.98, ridge: float = 1e-3):
+    def __init__(self, forget: float = 0.98, ridge: float = 1e-3, prior: Optional[Sequence[float]] = None):
         self.forget, self.ridge = forget, ridge
+        # A modelled cost per size 1..n (in any unit: decode steps from ``traffic.auto_prior`` on a
+        # Mac): the predictions before anything is measured, and, scaled to what has been, for the
+        # sizes not measured until PRIOR_SIZES sizes have been. None: all sizes alike, then the line.
+        self.prior: Optional[List[float]] = list(prior) if prior else None
         self.gram = [[0.0] * 3 for _ in range(3)]  # upper triangle used
         self.moment = [0.0] * 3
         self.weight = 0.0  # decayed number of measurements in the fit
@@ -176,6 +181,20 @@ class CycleCosts:
     def line(self, block: int) -> float:
         a, s, c = self.theta
         return a if block == 1 else a + s + c * (block - 1)
+
+    def set_prior(self, prior: Optional[Sequence[float]]) -> None:
+        """Start from modelled costs (``prior[b - 1]`` for size b; None leaves things as they are)."""
+        if prior:
+            self.prior = list(prior)
+            self.version += 1
+
+    def _modelled(self, block: int) -> float:
+        """The prior's cost of ``block`` (extended along its last step past its end)."""
+        p = self.prior
+        if block <= len(p):
+            return p[block - 1]
+        step = p[-1] - p[-2] if len(p) > 1 else 0.0
+        return p[-1] + step * (block - len(p))
 
     def observe(self, block: int, seconds: float) -> None:
         seen = self.cycles[block] = self.cycles.get(block, 0) + 1
@@ -207,13 +226,20 @@ class CycleCosts:
 
     def predict(self, first: int, last: int) -> List[float]:
         """Predicted seconds per cycle for ``b = first..last``."""
-        if not self.weight:
-            return [1.0] * (last - first + 1)  # nothing measured: all sizes alike
+        if not self.weight:  # nothing measured: the modelled costs, or all sizes alike
+            return [self._modelled(b) if self.prior else 1.0 for b in range(first, last + 1)]
+        # Where a size's prediction starts before its own measurements: the prior's shape scaled to
+        # the sizes measured so far, until PRIOR_SIZES of them are; then the fitted line.
+        unit = None
+        if self.prior is not None and len(self.measured) < self.PRIOR_SIZES:
+            kept = sum(self.measured.values())
+            unit = sum(n * self.recent[b] / self._modelled(b) for b, n in self.measured.items()) / kept
         out = []
         for b in range(first, last + 1):
             kept = self.measured.get(b, 0)
             own = kept / (kept + 1.0)
-            cost = own * self.recent[b] + (1.0 - own) * self.line(b) if kept else self.line(b)
+            base = self.line(b) if unit is None else unit * self._modelled(b)
+            cost = own * self.recent[b] + (1.0 - own) * base if kept else base
             out.append(max(cost, 0.5 * self.smallest))
         return out
 

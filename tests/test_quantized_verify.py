@@ -323,6 +323,53 @@ def test_the_traffic_model_follows_mlx_dispatch_rules():
     assert any(line.startswith("| M3/M4 | 8 | qmv_wide x2") for line in traffic.tables())
 
 
+def test_the_cost_model_counts_bytes_and_arithmetic():
+    """Our kernel's operations per weight are the counts of docs/kernels.md; a 9B pass through it
+    is bound by bytes at 1 row and by arithmetic at 16 on every GPU listed (no fma kernel keeps up
+    at 16 rows), by bytes at 4 rows on an M3 Pro (21.5 operations per byte) but not on an M4 Max (14.8); stock's 16-row qmm costs about 3-4 decode steps on an M3 Pro (public
+    per-op timings: 3.9-4.5x); and the modelled cycle grows with the block, ours below stock."""
+    from dflash_mlx import traffic
+
+    assert [round(traffic.ops_per_weight("ours", M) / M, 2) for M in (1, 2, 4, 8, 16)] == [6.06, 3.75, 2.59, 2.02, 1.73]
+    c, m3 = traffic.QWEN35_9B, traffic.gpu_named("M3 Pro")
+    for gpu in traffic.GPUS:
+        assert traffic.bound_by(c, 1, gpu, ours=True) == 0.0 and traffic.bound_by(c, 16, gpu, ours=True) > 0.9
+        assert traffic.bound_by(c, 1, gpu, ours=False) == 0.0
+    assert traffic.bound_by(c, 4, m3, ours=True) == 0.0 and traffic.bound_by(c, 4, traffic.gpu_named("M4 Max"), ours=True) > 0.9
+    qmm16 = traffic.pass_seconds(c, 16, m3, ours=False) / traffic.pass_seconds(c, 1, m3, ours=False)
+    assert 2.5 < qmm16 < 4.5
+    draft = traffic.draft_matmuls(*traffic.DRAFTS["9B"])
+    for gpu in traffic.GPUS:
+        ours = [traffic.cycle_steps(c, b, gpu, True, draft) for b in traffic.BLOCKS]
+        stock = [traffic.cycle_steps(c, b, gpu, False, draft) for b in traffic.BLOCKS]
+        assert ours == sorted(ours) and all(o <= s + 1e-9 for o, s in zip(ours, stock)) and ours[0] > 1.0
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert all(line in readme for line in traffic.summary())  # the README's numbers are the model's
+    lines = traffic.cost_tables()
+    assert any(line.startswith("| M3 Pro | ours | 1.00 |") for line in lines)
+    assert sum(line.startswith(("| M1 |", "| M3 Pro |", "| M4 Max |")) for line in lines) == 2 * 2 * 3 + 3
+
+
+def test_auto_starts_from_the_cost_model_on_a_mac(tmp_path, monkeypatch):
+    """``load`` gives auto the modelled cycle costs of the loaded pair on this GPU (a decode step
+    first, costs growing with the block); none off Apple GPUs."""
+    from dflash_mlx import api, device, traffic
+
+    monkeypatch.setenv("DFLASH_MLX_HOME", str(tmp_path))
+    model, _ = api.load("demo", draft_quant="w4", matmuls=None)
+    assert model.block_stats.costs.prior is None  # this machine: no Apple GPU
+    m3 = device.DeviceFacts("Apple M3 Pro", "applegpu_g15s", True, 15, None, None)
+    assert traffic.gpu_of(m3).name == "M3 Pro" and traffic.gpu_of(device.DeviceFacts("Apple M4", "applegpu_g16g", True, 16,
+                                                                                       None, None)).generation == 16
+    prior = traffic.auto_prior(model, m3)
+    assert len(prior) == 16 and prior[0] == pytest.approx(1.0) and prior[1] > 1.0
+    monkeypatch.setattr(traffic, "auto_prior", lambda m, facts=None: prior)
+    again, _ = api.load("demo", draft_quant="w4", matmuls=None)
+    assert again.block_stats.costs.prior == prior and again.block_stats.costs.predict(1, 16) == prior
+
+
 def test_load_routes_the_pair_through_the_cached_choices(tmp_path, monkeypatch):
     """``load(..., matmuls=...)`` as on a Mac, with this device's cache already holding every shape
     of the demo pair's w4 draft (the kernel measured faster): the draft's passes run the kernel, the
