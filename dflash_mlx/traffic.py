@@ -406,18 +406,19 @@ def gpu_of(facts) -> Optional[GPU]:
     return same[0] if same else min(GPUS, key=lambda g: abs(g.generation - facts.generation))
 
 
-def _linear_matmuls(model, skip=("switch_mlp",)) -> List[Matmul]:
-    """Every (quantized) linear layer of ``model`` as a Matmul, experts left out."""
+def _linear_matmuls(model, tied: bool = False, skip=("switch_mlp",)) -> List[Matmul]:
+    """Every (quantized) linear layer of ``model`` as a Matmul, experts left out; ``tied``: its
+    embedding too (a tied output head)."""
     import mlx.nn as nn
 
     out = []
     for path, m in model.named_modules():
         if any(part in path for part in skip):
             continue
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and isinstance(m, nn.QuantizedLinear):
+        if isinstance(m, nn.QuantizedLinear) or (tied and isinstance(m, nn.QuantizedEmbedding)):
             N, packed = m["weight"].shape
             out.append(Matmul(path, packed * 32 // m.bits, N, 1, bits=m.bits, group_size=m.group_size))
-        elif isinstance(m, nn.Linear):
+        elif isinstance(m, nn.Linear) or (tied and isinstance(m, nn.Embedding)):
             N, K = m["weight"].shape
             out.append(Matmul(path, K, N, 1, bits=16))
     return out
@@ -448,7 +449,7 @@ def auto_prior(model, facts=None, cap: int = 16) -> Optional[List[float]]:
         return None
     try:
         c = config_of(model.target)
-        matmuls = _linear_matmuls(model.target)
+        matmuls = _linear_matmuls(model.target, tied=model.target.args.tie_word_embeddings)
         draft = _linear_matmuls(model.draft)
     except (AttributeError, KeyError, TypeError, ValueError):
         return None
