@@ -16,7 +16,7 @@ from mlx_lm.generate import wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from . import defaults, device, loading, quantized
+from . import defaults, device, loading, quantized, traffic
 from .block_policy import AutoBlock, BlockStats, BlockTokens
 from .models.dflash import DFlashDraft, DraftArgs, quantize_draft, resolve_taps
 from .models.qwen3_5 import Model as Target
@@ -195,6 +195,7 @@ def load(
     if matmuls is not None:
         with TuningProgress() as progress:
             model.use_quantized_matmuls(matmuls, progress=progress)
+    model.block_stats.costs.set_prior(traffic.auto_prior(model))  # on a Mac: modelled cycle costs until measured
     return model, tokenizer
 
 

@@ -3,17 +3,21 @@
 Two baselines: our target-only loop (the same model code DFlash verifies with) and mlx-lm's
 own ``stream_generate`` on mlx-lm's build of the target (what a Mac user runs without us).
 Runs alternate (baselines, each block setting, next prompt, ...), in an order rotated per
-prompt, so that thermal or background drift hits every setting alike. Greedy runs must give
-identical outputs: the bench reports it.
+prompt, so that thermal or background drift hits every setting alike. Greedy runs should give
+identical outputs: where one does not, the bench reports the first divergence with the target's
+top-2 logit gap at that position, and counts it a failure only when that gap is not a near-tie
+(``first_divergence``; ``docs/kernels.md`` lists where a verify pass and a decode step can round
+differently on a Mac).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .api import DFlashModel, encode_prompt, stream_generate
 
@@ -79,6 +83,7 @@ class Run:
     accepted_lengths: List[int] = field(default_factory=list)
     block_histogram: Dict[int, int] = field(default_factory=dict)  # cycles per block size
     output: List[int] = field(default_factory=list)
+    divergence: Optional[Dict] = None  # greedy: the first token that left the target alone's (``Divergence``)
 
 
 def measure(
@@ -194,9 +199,16 @@ def table(rows: List[Dict], show_context: bool, mlx_lm: bool, sampled: bool, pas
             f"{r['dflash_tps']:.1f}", f"{r['speedup']:.2f}x", *([f"{r['speedup_vs_mlx_lm']:.2f}x"] if mlx_lm else []),
             f"{r['tokens_per_cycle']:.2f}", f"{r['acceptance_rate']:.0%}", describe(shares).removeprefix("blocks "),
             *([f"{1e3 / r['baseline_tps']:.1f}", f"{1e3 * r['tokens_per_cycle'] / r['dflash_tps']:.1f}"] if pass_ms else []),
-            f"{r['peak_memory_gb']:.2f}", "n/a" if sampled else ("yes" if r["identical"] else "NO"),
+            f"{r['peak_memory_gb']:.2f}", "n/a" if sampled else _identical(r),
         )
     return out
+
+
+def _identical(row: Dict) -> str:
+    if row["identical"]:
+        return "yes"
+    divergences = row.get("divergences") or []
+    return "near-tie" if divergences and all(d["near_tie"] for d in divergences) else "NO"
 
 
 def default_blocks(draft_block_size: int) -> List[str]:
@@ -283,6 +295,112 @@ def load_prompt_file(path: Path) -> List[str]:
     return [text]
 
 
+# A greedy divergence is a near-tie when the two tokens are the target's top two at that position
+# and their logits lie within this many units in the last place of the logits' dtype (at the top
+# logit's magnitude): a verify pass and a decode step summing in different orders can swap them.
+NEAR_TIE_ULPS = 8
+_MANTISSA_BITS = {"float32": 23, "float16": 10, "bfloat16": 7}
+
+
+def ulp(value: float, dtype: str) -> float:
+    """The spacing of ``dtype``'s numbers at ``value``."""
+    bits = _MANTISSA_BITS.get(dtype, 23)
+    return 2.0 ** (math.floor(math.log2(abs(value))) - bits) if value else 2.0 ** (-126 - bits)
+
+
+@dataclass
+class Divergence:
+    position: int  # index in the generated tokens
+    expected: Optional[int]  # the target alone's token there (None: it had stopped)
+    got: Optional[int]  # DFlash's (None: it had stopped)
+    top2: Optional[Tuple[int, int]] = None  # the target's two best tokens there (None: not computed)
+    gap: Optional[float] = None  # their logit difference
+    near_tie: bool = False
+    ulps: Optional[float] = None  # the gap in units in the last place of the logits' dtype
+
+    def describe(self) -> str:
+        where = f"token {self.position}: {self.got} instead of {self.expected}"
+        if self.gap is None:
+            return where + " (the target's logits there were not computed)"
+        kind = "a near-tie" if self.near_tie else "not a near-tie"
+        return where + f" (target top-2 {self.top2}, gap {self.gap:.3g} = {self.ulps:.1f} ulp: {kind})"
+
+
+def first_divergence(prompt: Sequence[int], expected: Sequence[int], got: Sequence[int],
+                     logits_at: Optional[Callable[[List[int]], "object"]]) -> Optional[Divergence]:
+    """Where ``got`` first leaves ``expected`` (greedy outputs after ``prompt``), with the target's
+    top-2 logits at that position from ``logits_at(tokens)`` (the target's next-token logits after
+    ``tokens``, [V]); None if they agree."""
+    import mlx.core as mx
+    import numpy as np
+
+    n = min(len(expected), len(got))
+    j = next((i for i in range(n) if expected[i] != got[i]), n)
+    if j == n and len(expected) == len(got):
+        return None
+    out = Divergence(j, expected[j] if j < len(expected) else None, got[j] if j < len(got) else None)
+    if logits_at is None:
+        return out
+    logits = logits_at(list(prompt) + list(expected[:j]))
+    dtype = str(logits.dtype).split(".")[-1]
+    values = np.array(logits.astype(mx.float32)).reshape(-1)
+    second, first = (int(i) for i in np.argsort(values)[-2:])
+    out.top2, out.gap = (first, second), float(values[first] - values[second])
+    out.ulps = out.gap / ulp(float(values[first]), dtype)
+    out.near_tie = {out.expected, out.got} == {first, second} and out.ulps <= NEAR_TIE_ULPS
+    return out
+
+
+def find_divergences(runs: List[Run], prompts: Dict[tuple, Sequence[int]],
+                     logits_at: Optional[Callable[[List[int]], "object"]]) -> List[Divergence]:
+    """Each greedy DFlash run's first divergence from the target alone on the same prompt
+    (``prompts``: (suite, context tokens, prompt index) -> its tokens), kept on the run."""
+    found = []
+    for run in runs:
+        if run.mode != "dflash":
+            continue
+        key = (run.suite, run.context_tokens, run.prompt_index)
+        base = [r for r in runs if r.mode == "baseline" and (r.suite, r.context_tokens, r.prompt_index) == key]
+        if not base:
+            continue
+        divergence = first_divergence(prompts[key], base[-1].output, run.output, logits_at)
+        run.divergence = None if divergence is None else asdict(divergence)
+        if divergence is not None:
+            found.append(divergence)
+    return found
+
+
+def divergence_report(rows: List[Dict]) -> Tuple[List[str], bool]:
+    """Lines naming each divergence (suite, block, prompt), and whether any is not a near-tie."""
+    lines, real = [], False
+    for r in rows:
+        for d in r["divergences"]:
+            fields = {k: v for k, v in d.items() if k != "prompt_index"}
+            divergence = Divergence(**{**fields, "top2": tuple(d["top2"]) if d["top2"] else None})
+            real = real or not divergence.near_tie
+            lines.append(f"{r['suite']} block {r['block_tokens']} prompt {d['prompt_index'] + 1}: {divergence.describe()}")
+    return lines, real
+
+
+def target_logits(model: DFlashModel) -> Optional[Callable[[List[int]], "object"]]:
+    """The target's next-token logits after a token list (one forward pass), for the divergence
+    report; None for a pipelined target (this rank holds part of it)."""
+    if model.pipeline is not None or model.target is None:
+        return None
+    import mlx.core as mx
+
+    return lambda tokens: model.target(mx.array(tokens)[None])[0, -1]
+
+
+def prompt_tokens(tokenizer, jobs, chat: bool) -> Dict[tuple, List[int]]:
+    """(suite, context tokens, prompt index) -> the prompt's tokens as ``measure`` sends them."""
+    out = {}
+    for name, context, index, prompt in jobs:
+        request = [{"role": "user", "content": prompt}] if chat else prompt
+        out[(name, context, index)] = encode_prompt(tokenizer, request).tolist()
+    return out
+
+
 def _block_order(block: str):
     return (1, block) if block.startswith("auto") else (0, int(block))
 
@@ -320,6 +438,7 @@ def summarize(runs: List[Run]) -> List[Dict]:
             "acceptance_rate": statistics.mean(s.acceptance_rate for s in spec),
             "peak_memory_gb": max(r.peak_memory_gb for r in spec + base + mlx_lm),
             "identical": all(s.output == reference[s.prompt_index] for s in spec),
+            "divergences": [{**s.divergence, "prompt_index": s.prompt_index} for s in spec if s.divergence],
             "block_shares": {str(b): n / total for b, n in sorted(histogram.items())},
             "accepted_lengths": [n for s in spec for n in s.accepted_lengths],
         })

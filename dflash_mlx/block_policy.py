@@ -219,9 +219,14 @@ class CycleCosts:
     SETTLED, SAMPLE, REFIT, CLIP = 8, 8, 4, 1.5
     SLOPE_PRIOR = 1.0  # ridge on the context slopes (g, h, e), in measurements one unit of context apart
     DRIFT, DRIFT_FLOOR = 0.25, 512 / CONTEXT_UNIT  # a size unsettles past this relative (or absolute) context move
+    PRIOR_SIZES = 3  # distinct sizes measured before the line replaces the prior's shape
 
-    def __init__(self, forget: float = 0.98, ridge: float = 1e-3):
+    def __init__(self, forget: float = 0.98, ridge: float = 1e-3, prior: Optional[Sequence[float]] = None):
         self.forget, self.ridge = forget, ridge
+        # A modelled cost per size 1..n (in any unit: decode steps from ``traffic.auto_prior`` on a
+        # Mac): the predictions before anything is measured, and, scaled to what has been, for the
+        # sizes not measured until PRIOR_SIZES sizes have been. None: all sizes alike, then the line.
+        self.prior: Optional[List[float]] = list(prior) if prior else None
         self.gram = [[0.0] * 6 for _ in range(6)]  # upper triangle used
         self.moment = [0.0] * 6
         self.weight = 0.0  # decayed number of measurements in the fit
@@ -242,6 +247,20 @@ class CycleCosts:
         """Fitted seconds per unit of context for size ``block`` (may be negative: see line)."""
         _, _, _, g, h, e = self.theta
         return g if block == 1 else g + h + e * (block - 1)
+
+    def set_prior(self, prior: Optional[Sequence[float]]) -> None:
+        """Start from modelled costs (``prior[b - 1]`` for size b; None leaves things as they are)."""
+        if prior:
+            self.prior = list(prior)
+            self.version += 1
+
+    def _modelled(self, block: int) -> float:
+        """The prior's cost of ``block`` (extended along its last step past its end)."""
+        p = self.prior
+        if block <= len(p):
+            return p[block - 1]
+        step = p[-1] - p[-2] if len(p) > 1 else 0.0
+        return p[-1] + step * (block - len(p))
 
     def line(self, block: int, units: float = 0.0) -> float:
         a, s, c = self.theta[:3]
@@ -317,15 +336,26 @@ class CycleCosts:
         h = self.theta[4]
         return max(self.shadow_extra + (h if h > 0 else 0.0) * (context / CONTEXT_UNIT - self.shadow_where), 0.0)
 
+    def _at(self, block: int, units: float) -> float:
+        """A measured size's recent mean carried to ``units`` of context along its slope."""
+        slope = self.slope(block)
+        return self.recent[block] + (slope if slope > 0 else 0.0) * (units - self.where[block])
+
     def predict(self, first: int, last: int, context: int = 0) -> List[float]:
         """Predicted seconds per cycle for ``b = first..last`` at ``context`` tokens (``line`` and
         ``slope`` inlined: this runs whenever a statistic moved, for every size up to the cap)."""
-        if not self.weight:
-            return [1.0] * (last - first + 1)  # nothing measured: all sizes alike
+        if not self.weight:  # nothing measured: the modelled costs, or all sizes alike
+            return [self._modelled(b) if self.prior else 1.0 for b in range(first, last + 1)]
         units = context / CONTEXT_UNIT
         a, s, c, g, h, e = self.theta
         center, floor = self.center, 0.5 * self.smallest
         recent, where, measured = self.recent, self.where, self.measured
+        # Where a size's prediction starts before its own measurements: the prior's shape scaled to
+        # the sizes measured so far (their means carried to this context), until PRIOR_SIZES of them
+        # are; then the fitted line.
+        unit = None
+        if self.prior is not None and len(measured) < self.PRIOR_SIZES:
+            unit = sum(n * self._at(b, units) / self._modelled(b) for b, n in measured.items()) / sum(measured.values())
         out = []
         for b in range(first, last + 1):
             if b == 1:
@@ -333,7 +363,7 @@ class CycleCosts:
             else:
                 base, slope = a + s + c * (b - 1), g + h + e * (b - 1)
             up = slope if slope > 0 else 0.0
-            cost = base + slope * center + up * (units - center)
+            cost = base + slope * center + up * (units - center) if unit is None else unit * self._modelled(b)
             kept = measured.get(b, 0)
             if kept:
                 own = kept / (kept + 1.0)

@@ -25,14 +25,19 @@ from __future__ import annotations
 
 import functools
 import os
+import types
 import warnings
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
 KERNEL_NAMES = ("gated_delta_tape", "tape_replay")  # the recurrence's; quantized.py runs quantized_verify
+# mlx-lm's own Gated DeltaNet kernel (its generic `gated_delta_step` body, taken from mlx-lm at run
+# time): the fallback of gated_delta_tape, without a tape (a rollback recomputes the kept steps).
+MLX_LM_KERNEL = "mlx_lm_gated_delta"
 # Set to "reference" to run the pure-MLX functions even where Metal is available.
 BACKEND_ENV = "DFLASH_MLX_KERNELS"
 # Input and output names of each kernel, as its body uses them.
@@ -40,13 +45,92 @@ KERNEL_IO = {
     "gated_delta_tape": (("q", "k", "v", "g", "beta", "state_in", "T"), ("y", "state_out", "delta")),
     "tape_replay": (("state_in", "k", "g", "delta", "T", "steps"), ("state_out",)),
     "quantized_verify": (("x", "w", "scales", "biases", "M", "K", "N"), ("y",)),
+    MLX_LM_KERNEL: (("q", "k", "v", "g", "beta", "state_in", "T"), ("y", "state_out")),
 }
 THREADGROUP = (32, 4, 1)  # one simdgroup per value row, four rows of one head per threadgroup
 
 
+def metal_sources():
+    """Where the kernels' ``.metal`` files are: ``metal/`` beside the package in a checkout (an
+    editable install maps ``dflash_mlx.metal`` to the checkout it was installed from, which need
+    not be the one imported: another worktree on ``PYTHONPATH``), else the installed
+    ``dflash_mlx.metal``."""
+    checkout = Path(__file__).resolve().parents[1]
+    if (checkout / "metal" / "__init__.py").is_file() and (checkout / "pyproject.toml").is_file():
+        return checkout / "metal"
+    return resources.files("dflash_mlx.metal")
+
+
 def kernel_source(name: str) -> str:
-    """The body of a Metal kernel, as shipped in the package (``metal/`` in a checkout)."""
-    return resources.files("dflash_mlx.metal").joinpath(f"{name}.metal").read_text()
+    """The body of a Metal kernel, as shipped in the package (``metal/`` in a checkout); mlx-lm's
+    for ``MLX_LM_KERNEL``."""
+    if name == MLX_LM_KERNEL:
+        source = mlx_lm_gated_delta_source()
+        if source is None:
+            raise RuntimeError("mlx-lm's gated_delta kernel source is not available from this mlx-lm")
+        return source
+    return metal_sources().joinpath(f"{name}.metal").read_text()
+
+
+@functools.lru_cache(maxsize=None)
+def mlx_lm_gated_delta_source() -> Optional[str]:
+    """The body of mlx-lm's generic Gated DeltaNet kernel (``models/gated_delta.py``,
+    ``_make_gated_delta_kernel``: scalar gate, no mask), as mlx-lm hands it to ``metal_kernel``.
+    mlx-lm builds it only where Metal is available; here its builder runs with a stand-in ``mx``
+    that records the call, so the same body runs on a Mac and in the emulator. None if this mlx-lm
+    has no such builder or builds it otherwise."""
+    try:
+        from mlx_lm.models import gated_delta
+    except ImportError:
+        return None
+    captured: Dict[str, Any] = {}
+    stand_in = types.SimpleNamespace(metal=types.SimpleNamespace(is_available=lambda: True),
+                                     fast=types.SimpleNamespace(metal_kernel=lambda **kwargs: captured.update(kwargs)))
+    saved = getattr(gated_delta, "mx", None)
+    try:
+        gated_delta.mx = stand_in
+        gated_delta._make_gated_delta_kernel(has_mask=False, vectorized=False)
+    except Exception:
+        return None
+    finally:
+        gated_delta.mx = saved
+    if tuple(captured.get("input_names", ())) != KERNEL_IO[MLX_LM_KERNEL][0] or \
+            tuple(captured.get("output_names", ())) != KERNEL_IO[MLX_LM_KERNEL][1]:
+        return None
+    return captured.get("source")
+
+
+# MLX's type strings, shortened, for kernel names.
+_TYPE_CODES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "int32": "i32", "uint32": "u32", "uint8": "u8",
+               "int8": "i8", "uint16": "u16", "int16": "i16", "int64": "i64", "uint64": "u64", "bool": "b"}
+MAX_CONSTANT_ARRAY_SIZE = 8  # MLX: inputs with fewer elements are passed in the constant address space
+
+
+def input_signature(inputs) -> Tuple[Tuple[str, str], ...]:
+    """How MLX's ``metal_kernel`` declares each input of a call: its dtype, and ``s`` (a Python
+    scalar, a ``constant`` reference), ``c`` (fewer than 8 elements: ``constant``) or ``d``
+    (``device``). Two calls with the same signature and template compile the same source."""
+    out = []
+    for x in inputs:
+        if isinstance(x, bool):
+            out.append(("bool", "s"))
+        elif isinstance(x, int):
+            out.append(("int32", "s"))
+        elif isinstance(x, float):
+            out.append(("float32", "s"))
+        else:
+            space = "s" if x.ndim == 0 else "c" if x.size < MAX_CONSTANT_ARRAY_SIZE else "d"
+            out.append((str(x.dtype).split(".")[-1], space))
+    return tuple(out)
+
+
+def kernel_name(name: str, signature) -> str:
+    """The name a kernel is built under: ``name`` and its call signature. MLX 0.32 names each
+    generated source by its input types and address spaces itself; MLX 0.30 and 0.31 name it by
+    the name and template only, so one name would stand for two sources (a one-token call on few
+    heads passes g and beta as ``constant``, a block as ``device``) and the library would be
+    rebuilt at every switch between them."""
+    return name + "__" + "_".join(_TYPE_CODES.get(dtype, dtype) + space for dtype, space in signature)
 
 
 def metal_supports(k_head_dim: int, k_heads: int, v_head_dim: int, v_heads: int) -> bool:
@@ -66,6 +150,10 @@ class Launch:
     output_shapes: tuple
     output_dtypes: tuple
     threadgroup: tuple = THREADGROUP
+
+    @property
+    def signature(self) -> Tuple[Tuple[str, str], ...]:
+        return input_signature(self.inputs)
 
 
 def _template(k: mx.array, v: mx.array) -> tuple:
@@ -87,6 +175,22 @@ def gated_delta_launch(q, k, v, g, beta, state) -> Launch:
         ((B, T, Hv, Dv), tuple(state.shape), (B, T, Hv, Dv)),
         (dtype, mx.float32, mx.float32),
     )
+
+
+def mlx_lm_launch(q, k, v, g, beta, state) -> Launch:
+    """mlx-lm's kernel on the same inputs, cast as ours: ``(y, final_state)``, no tape."""
+    ours = gated_delta_launch(q, k, v, g, beta, state)
+    return Launch(MLX_LM_KERNEL, ours.inputs, ours.template, ours.grid, ours.output_shapes[:2], ours.output_dtypes[:2])
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """The tape of a pass that mlx-lm's kernel ran (it keeps no delta): the inputs of its steps.
+    A rollback runs the kernel again over the kept steps, from the state the pass started from."""
+
+    q: mx.array
+    v: mx.array
+    beta: mx.array
 
 
 def _check_steps(steps: int, T: int) -> None:
@@ -131,100 +235,178 @@ def _close(a: mx.array, b: mx.array, tolerance: float) -> bool:
     return bool(mx.allclose(a.astype(mx.float32), b.astype(mx.float32), atol=tolerance, rtol=tolerance).item())
 
 
+# What runs instead of a kernel that failed its self-check (the warning says it).
+FALLBACKS = {
+    "gated_delta_tape": "mlx-lm's gated_delta kernel (prefill, decode and verify; a rollback recomputes the kept "
+                        "steps from the saved state)",
+    "tape_replay": "the pure-MLX replay",
+    "quantized_verify": "MLX's stock quantized_matmul (for every row count of the layers of this form)",
+    MLX_LM_KERNEL: "the pure-MLX recurrence",
+}
+
+
 class MetalKernels:
     """The Metal kernels as one process uses them.
 
-    Each kernel is built once by ``metal_kernel`` (``mx.fast.metal_kernel`` on a Mac; the
-    emulator's stand-in in the tests). The first time a specialization (template arguments and
-    input dtype) is used, it runs once on a small input against the pure-MLX reference; a compile
-    error or a mismatch makes that kernel fall back to the reference for the rest of the process,
-    with one warning. A broken kernel costs speed, never a crash or a wrong token.
+    Each kernel is built by ``metal_kernel`` (``mx.fast.metal_kernel`` on a Mac; the emulator's
+    stand-in in the tests) once per call signature (``kernel_name``). The first time a
+    specialization is used (template arguments, and the dtype and address space MLX gives each
+    input: ``input_signature``), it runs once on small inputs of that same signature against the
+    pure-MLX reference, so that no call compiles a source its self-check did not run; a compile
+    error or a mismatch makes that specialization fall back (``FALLBACKS``) for the rest of the
+    process, with one warning per kernel. A broken kernel costs speed, never a crash or a wrong
+    token.
     """
 
     def __init__(self, metal_kernel: Optional[Callable] = None, self_check: bool = True):
         self._metal_kernel = metal_kernel or mx.fast.metal_kernel
         self._self_check = self_check
         self._built: Dict[str, Any] = {}
-        self.checks: Dict[tuple, Optional[str]] = {}  # specialization -> None (passed) or the failure
+        self._warned: set = set()
+        self.checks: Dict[tuple, Optional[str]] = {}  # (name, template, signature) -> None (passed) or the failure
 
     def run(self, launch: Launch) -> List[mx.array]:
-        if launch.name not in self._built:
+        name = kernel_name(launch.name, launch.signature)
+        if name not in self._built:
             input_names, output_names = KERNEL_IO[launch.name]
-            self._built[launch.name] = self._metal_kernel(
-                name=launch.name, input_names=list(input_names), output_names=list(output_names),
+            self._built[name] = self._metal_kernel(
+                name=name, input_names=list(input_names), output_names=list(output_names),
                 source=kernel_source(launch.name),
             )
-        return self._built[launch.name](
+        return self._built[name](
             inputs=list(launch.inputs), template=list(launch.template), grid=launch.grid,
             threadgroup=launch.threadgroup, output_shapes=list(launch.output_shapes),
             output_dtypes=list(launch.output_dtypes),
         )
 
-    def usable(self, name: str, template: tuple, check: Optional[Callable[["MetalKernels", str, dict], Optional[str]]] = None) -> bool:
-        """Whether ``name`` may run for this specialization, self-checked on first use by
-        ``check`` (None if the kernel matched its reference, else what went wrong; the
-        recurrence's check by default)."""
-        key = (name, template)
+    def usable(self, launch: Launch, check: Optional[Callable[["MetalKernels", Launch], Optional[str]]] = None) -> bool:
+        """Whether ``launch``'s kernel may run for its specialization and signature, self-checked
+        on first use by ``check`` (None if the kernel matched its reference on a call of the same
+        signature, else what went wrong; the recurrence's check by default)."""
+        key = (launch.name, launch.template, launch.signature)
         if key not in self.checks:
-            self.checks[key] = self._guarded(check or _check_recurrence, name, dict(template)) if self._self_check else None
-            if self.checks[key] is not None:
+            self.checks[key] = self._guarded(check or _check_recurrence, launch) if self._self_check else None
+            if self.checks[key] is not None and launch.name not in self._warned:
+                self._warned.add(launch.name)
                 warnings.warn(
-                    f"dflash-mlx: the Metal kernel {describe(name, template)} failed its self-check "
-                    f"and is replaced by the pure-MLX reference for the rest of this process: {self.checks[key]}",
-                    RuntimeWarning, stacklevel=2,
+                    f"dflash-mlx: the Metal kernel {describe(launch.name, launch.template, launch.signature)} failed its self-check "
+                    f"and is replaced by {FALLBACKS.get(launch.name, 'the pure-MLX reference')} for the rest of this "
+                    f"process: {self.checks[key]}", RuntimeWarning, stacklevel=2,
                 )
         return self.checks[key] is None
 
-    def _guarded(self, check, name: str, template: dict) -> Optional[str]:
+    def _guarded(self, check, launch: Launch) -> Optional[str]:
         try:
-            return check(self, name, template)
+            return check(self, launch)
         except Exception as e:  # a compile error surfaces here, at the first evaluation
             lines = [line.strip() for line in str(e).splitlines() if line.strip()]
             return f"{type(e).__name__}: {' | '.join(lines[:3])}"  # the compiler's header and first errors
 
     def gated_delta(self, q, k, v, g, beta, state):
-        """``(y, state, delta)`` from the kernel, or None where it is not usable."""
+        """``(y, state, tape)`` from our kernel (the tape: each step's delta), else from mlx-lm's
+        (the tape: the steps' inputs, ``StepInputs``), or None where neither is usable."""
         launch = gated_delta_launch(q, k, v, g, beta, state)
-        if not self.usable(launch.name, launch.template):
+        if self.usable(launch):
+            y, state, delta = self.run(launch)
+            return y.astype(q.dtype), state, delta
+        fallback = mlx_lm_launch(q, k, v, g, beta, state)
+        if not self.usable(fallback, _check_mlx_lm):
             return None
-        y, state, delta = self.run(launch)
-        return y.astype(q.dtype), state, delta
+        y, final = self.run(fallback)
+        q_, _, v_, _, beta_ = fallback.inputs[:5]  # as the kernel took them (cast to k's dtype)
+        return y.astype(q.dtype), final, StepInputs(q_, v_, beta_)
+
+    def recompute(self, state, k, g, steps: StepInputs, keep: int):
+        """The state after the first ``keep`` steps of a pass mlx-lm's kernel ran, from the state
+        the pass started from: one dispatch over the kept steps, the same per-step arithmetic as a
+        decode step, so the state is bit for bit that of decode steps."""
+        launch = mlx_lm_launch(steps.q[:, :keep], k[:, :keep], steps.v[:, :keep], g[:, :keep], steps.beta[:, :keep], state)
+        if not self.usable(launch, _check_mlx_lm):
+            return None
+        return self.run(launch)[1]
 
     def tape_replay(self, state, k, g, delta, steps: int):
         launch = tape_replay_launch(state, k, g, delta, steps)
-        if not self.usable(launch.name, launch.template):
+        if not self.usable(launch):
             return None
         return self.run(launch)[0]
 
     def report(self) -> Dict[str, str]:
-        """Each checked specialization: ``"ok"`` or its failure (for ``dflash-mlx doctor``)."""
-        return {describe(name, template): "ok" if failure is None else failure
-                for (name, template), failure in self.checks.items()}
+        """Each checked specialization and signature: ``"ok"`` or its failure (``dflash-mlx doctor``)."""
+        return {describe(name, template, signature): "ok" if failure is None else failure
+                for (name, template, signature), failure in self.checks.items()}
 
 
-def describe(name: str, template: tuple) -> str:
-    """``gated_delta_tape float32 Dk=128 ...``: a kernel specialization as people read it."""
+def describe(name: str, template: tuple, signature: Optional[tuple] = None) -> str:
+    """``gated_delta_tape float32 Dk=128 ...``: a kernel specialization as people read it (with its
+    inputs' address spaces when some are not ``device``)."""
     parts = [str(v).split(".")[-1] if isinstance(v, mx.Dtype) else f"{k}={v}" for k, v in template if k != "StT"]
+    if signature and any(space == "c" for _, space in signature):
+        names = KERNEL_IO.get(name, ((),))[0]
+        parts.append("constant " + ",".join(n for n, (_, space) in zip(names, signature) if space == "c"))
     return " ".join([name, *parts])
 
 
-def _check_recurrence(metal: MetalKernels, name: str, template: dict) -> Optional[str]:
-    """None if a recurrence kernel matches the reference on small inputs, else what went wrong."""
+def _check_calls(launch: Launch, calls: Callable[[int], Launch], steps: int):
+    """Check calls of ``launch``'s signature: T = 1 and T = 8 (B = 1) where they have it, else the
+    real call's B * T steps at B = 1 (an input under 8 elements: the call is small)."""
+    found = [c for c in (calls(1), calls(8)) if c.signature == launch.signature]
+    if not found:
+        found = [calls(steps)]
+    return found
+
+
+def _check_recurrence(metal: MetalKernels, launch: Launch) -> Optional[str]:
+    """None if a recurrence kernel matches the reference on small inputs of the call's signature,
+    else what went wrong."""
+    template = dict(launch.template)
     dtype = template["InT"]
-    for T in (1, 8):
-        q, k, v, g, beta, state = _check_inputs(template, T, dtype)
-        want_y, want_state, want_delta = gated_delta_reference(q, k, v, g, beta, state)
-        if name == "gated_delta_tape":
-            y, final, delta = metal.run(gated_delta_launch(q, k, v, g, beta, state))
+    k = launch.inputs[1]
+    if launch.name == "gated_delta_tape":
+        calls = lambda T: gated_delta_launch(*_check_inputs(template, T, dtype))  # noqa: E731
+    else:
+        def calls(T):
+            q, k_, v, g, beta, state = _check_inputs(template, T, dtype)
+            return tape_replay_launch(state, k_, g, gated_delta_reference(q, k_, v, g, beta, state)[2], T)
+    for call in _check_calls(launch, calls, k.shape[0] * k.shape[1]):
+        if call.signature != launch.signature:
+            return "its self-check cannot make a call of this signature"
+        T = call.inputs[1].shape[1]
+        q, k_, v, g, beta, state = _check_inputs(template, T, dtype)
+        want_y, want_state, want_delta = gated_delta_reference(q, k_, v, g, beta, state)
+        if launch.name == "gated_delta_tape":
+            y, final, delta = metal.run(call)
             mx.eval(y, final, delta)
             if not (_close(y, want_y, _Y_TOLERANCE[dtype]) and _close(final, want_state, 1e-4)
                     and _close(delta, want_delta, 1e-4)):
                 return f"its output differs from the reference (T={T})"
         else:
             for steps in sorted({0, T // 2, T}):
-                (got,) = metal.run(tape_replay_launch(state, k, g, want_delta, steps))
-                if not _close(got, tape_replay_reference(state, k, g, want_delta, steps), 1e-4):
+                (got,) = metal.run(tape_replay_launch(state, k_, g, want_delta, steps))
+                if not _close(got, tape_replay_reference(state, k_, g, want_delta, steps), 1e-4):
                     return f"its output differs from the reference (T={T}, steps={steps})"
+    return None
+
+
+def _check_mlx_lm(metal: MetalKernels, launch: Launch) -> Optional[str]:
+    """mlx-lm's kernel against the reference on small inputs of the call's signature; and a pass
+    of T steps ending in the state of T one-step calls bit for bit (what a rollback by recomputing
+    relies on)."""
+    if mlx_lm_gated_delta_source() is None:
+        return "this mlx-lm has no gated_delta kernel to take (models/gated_delta.py)"
+    template = dict(launch.template)
+    dtype = template["InT"]
+    k = launch.inputs[1]
+    calls = lambda T: mlx_lm_launch(*_check_inputs(template, T, dtype))  # noqa: E731
+    for call in _check_calls(launch, calls, k.shape[0] * k.shape[1]):
+        if call.signature != launch.signature:
+            return "its self-check cannot make a call of this signature"
+        T = call.inputs[1].shape[1]
+        q, k_, v, g, beta, state = _check_inputs(template, T, dtype)
+        want_y, want_state, _ = gated_delta_reference(q, k_, v, g, beta, state)
+        y, final = metal.run(call)
+        if not (_close(y, want_y, _Y_TOLERANCE[dtype]) and _close(final, want_state, 1e-4)):
+            return f"its output differs from the reference (T={T})"
     return None
 
 
@@ -275,7 +457,7 @@ class Recurrence:
             out = self.metal.gated_delta(q, k, v, g, beta, state)
             if out is not None:
                 return out
-        if self.chunked and k.shape[1] > 1:
+        if (self.chunked or mode == "metal") and k.shape[1] > 1:  # never a per-token loop on a GPU
             return gated_delta_chunked(q, k, v, g, beta, state)
         return gated_delta_reference(q, k, v, g, beta, state)
 
@@ -284,6 +466,12 @@ class Recurrence:
         _check_steps(steps, k.shape[1])
         if steps == 0:
             return state
+        if isinstance(delta, StepInputs):  # a pass mlx-lm's kernel ran: recompute the kept steps
+            out = self.metal.recompute(state, k, g, delta, steps) if self.metal is not None else None
+            if out is not None:
+                return out
+            return gated_delta_reference(delta.q[:, :steps], k[:, :steps], delta.v[:, :steps], g[:, :steps],
+                                         delta.beta[:, :steps], state)[1]
         chunked = self.chunked and steps > 1
         if self.mode(k.shape[-1], k.shape[-2], delta.shape[-1], delta.shape[-2]) == "metal":
             out = self.metal.tape_replay(state, k, g, delta, steps)

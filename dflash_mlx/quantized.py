@@ -34,7 +34,7 @@ from .paths import home
 MAX_ROWS = 16
 ROW_BUCKETS = (1, 2, 4, 8, 16)  # the kernel's accumulator counts (template Rows); M rounds up
 COLUMNS = 4  # output columns per simdgroup (the kernel's `columns`)
-THREADGROUP = (32, 2, 1)
+THREADGROUP = (32, 4, 1)  # four simdgroups (16 columns) share each staged slice of x
 KERNEL = "quantized_verify"
 MODES = {"affine": 0, "mxfp4": 1}
 KERNEL_BITS = {"affine": (4, 8), "mxfp4": (4,)}
@@ -79,28 +79,63 @@ def quantized_verify_launch(x: mx.array, w: mx.array, scales: mx.array, biases: 
 
 def quantized_verify_reference(x: mx.array, w: mx.array, scales: mx.array, biases: Optional[mx.array],
                                group_size: int, bits: int, mode: str = "affine") -> mx.array:
-    """Dequantize, then one float32 matmul: what the kernel computes, up to summation order."""
+    """Dequantize in float32 (the kernel's `scale * q + bias` does not round to the scales'
+    dtype), then one float32 matmul: what the kernel computes, up to summation order."""
+    if mode == "affine":
+        scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
     weight = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits, mode=mode).astype(mx.float32)
     return (x.astype(mx.float32) @ weight.T).astype(x.dtype)
 
 
-def _check_quantized(metal: kernels.MetalKernels, name: str, template: dict) -> Optional[str]:
-    """On a small random layer: every row within float tolerance of the reference, and bit for bit
-    the same row computed alone (a one-row call), which is what keeps verify equal to decode."""
+def cancelling_layer(rows: int, K: int, N: int, bits: int, group_size: int, mode: str, dtype: mx.Dtype, seed: int = 0,
+                     scale_dtype: Optional[mx.Dtype] = None):
+    """A random quantized layer (scales in ``scale_dtype``, x's dtype by default) whose second half
+    of K repeats its first, and ``rows`` rows of x whose second half negates the first: every exact
+    result is 0, so each output is the rounding error of its own summation order (any change of
+    that order shows, even in a 16-bit output), while the partial sums stay large. Returns
+    ``(x_random, x_cancelling, w, scales, biases)``; where K is not two whole halves of groups the
+    second x is random too."""
+    kx, kc, kw = mx.random.split(mx.random.key(seed), 3)
+    split = K % (2 * group_size) == 0
+    half = K // 2 if split else K
+    w, scales, *biases = mx.quantize(mx.random.normal((N, half), key=kw).astype(scale_dtype or dtype), group_size, bits,
+                                     mode=mode)
+    bias = biases[0] if biases else None
+    x = mx.random.normal((rows, K), key=kx).astype(dtype)
+    if not split:
+        return x, mx.random.normal((rows, K), key=kc).astype(dtype), w, scales, bias
+    w, scales = mx.concatenate([w, w], axis=1), mx.concatenate([scales, scales], axis=1)
+    bias = None if bias is None else mx.concatenate([bias, bias], axis=1)
+    u = (mx.random.uniform(-1.0, 1.0, (rows, half), key=kc) * 2048).astype(dtype)
+    return x, mx.concatenate([u, -u], axis=1), w, scales, bias
+
+
+def _check_quantized(metal: kernels.MetalKernels, launch: kernels.Launch) -> Optional[str]:
+    """On a small random layer (three steps of K), in the call's signature (dtypes and address
+    spaces: the call's own K and N where a small layer puts some input in the ``constant`` space):
+    every row within float tolerance of the reference; and on cancelling rows
+    (``cancelling_layer``), the last row bit for bit the same row computed alone (a one-row call),
+    which is what keeps verify equal to decode."""
+    template = dict(launch.template)
     dtype, rows, bits, group_size = template["OutT"], template["Rows"], template["bits"], template["group_size"]
     mode = next(m for m, code in MODES.items() if code == template["Mode"])
-    K, N = 2 * group_size * (1 if bits == 8 else 2), 2 * COLUMNS + 1
-    kx, kw = mx.random.split(mx.random.key(rows * 1000 + bits * 10 + group_size))
-    x = mx.random.normal((rows, K), key=kx).astype(dtype)
-    w, scales, *biases = mx.quantize(mx.random.normal((N, K), key=kw).astype(dtype), group_size, bits, mode=mode)
-    bias = biases[0] if biases else None
-    (y,) = metal.run(quantized_verify_launch(x, w, scales, bias, group_size, bits, mode, rows=rows))
+    scale_dtype = getattr(mx, launch.signature[2][0]) if mode == "affine" else dtype
+    seed = rows * 1000 + bits * 10 + group_size
+    for K, N in ((768, 2 * COLUMNS + 1), (launch.inputs[5], launch.inputs[6])):
+        x, cancelling, w, scales, bias = cancelling_layer(rows, K, N, bits, group_size, mode, dtype, seed, scale_dtype)
+        call = quantized_verify_launch(x, w, scales, bias, group_size, bits, mode, rows=rows)
+        if call.signature == launch.signature:
+            break
+    else:
+        return "its self-check cannot make a call of this signature"
+    (y,) = metal.run(call)
     want = quantized_verify_reference(x, w, scales, bias, group_size, bits, mode)
     tolerance = {mx.float32: 1e-4, mx.float16: 4e-3, mx.bfloat16: 3e-2}[dtype]
     if not mx.allclose(y.astype(mx.float32), want.astype(mx.float32), atol=tolerance * math.sqrt(K), rtol=tolerance).item():
         return f"its output differs from the reference (M={rows}, K={K}, N={N})"
     if rows > 1:
-        (alone,) = metal.run(quantized_verify_launch(x[-1:], w, scales, bias, group_size, bits, mode, rows=1))
+        (y,) = metal.run(quantized_verify_launch(cancelling, w, scales, bias, group_size, bits, mode, rows=rows))
+        (alone,) = metal.run(quantized_verify_launch(cancelling[-1:], w, scales, bias, group_size, bits, mode, rows=1))
         if not mx.array_equal(alone[0], y[-1]).item():
             return f"row {rows - 1} of a {rows}-row call differs from the same row computed alone"
     return None
@@ -108,28 +143,42 @@ def _check_quantized(metal: kernels.MetalKernels, name: str, template: dict) -> 
 
 @dataclass(frozen=True)
 class MatmulShape:
-    """One distinct matmul of a loaded pair, as the tuner times it."""
+    """One distinct quantized matmul of a loaded pair (a layer's weights and its activations'
+    dtype). Its choice between the kernel and stock holds for every row count, 1..16: a decode step
+    and a verify pass of a layer go through the same implementation."""
 
     K: int
     N: int
     bits: int
     group_size: int
     mode: str
-    rows: int
     dtype: str  # the activations' ("bfloat16", "float16", "float32")
 
     def key(self) -> str:
-        return f"{self.mode}{self.bits} gs{self.group_size} K{self.K} N{self.N} M{self.rows} {self.dtype}"
+        return f"{self.mode}{self.bits} gs{self.group_size} K{self.K} N{self.N} {self.dtype}"
 
 
 def dtype_name(dtype: mx.Dtype) -> str:
     return str(dtype).split(".")[-1]  # "bfloat16"
 
 
+def form_usable(metal: kernels.MetalKernels, dtype: mx.Dtype, w: mx.array, scales: mx.array, biases: Optional[mx.array],
+                group_size: int, bits: int, mode: str) -> bool:
+    """Whether the kernel may run this layer (its arrays, activations of ``dtype``) at every row
+    count: each accumulator count (1, 2, 4, 8, 16) passed its self-check in the signature the
+    layer's calls have. One failing makes the layer stock at every row count, so that no layer runs
+    the kernel at some row counts and stock at others."""
+    K = w.shape[1] * 32 // bits
+    return all(metal.usable(quantized_verify_launch(mx.zeros((rows, K), dtype=dtype), w, scales, biases, group_size, bits,
+                                                    mode), _check_quantized) for rows in ROW_BUCKETS)
+
+
 class QuantizedMatmuls:
-    """Which implementation each quantized matmul shape uses in this process: ``kernel`` where the
-    tuner measured ours faster than stock (or ``choices`` say so), stock everywhere else (any M
-    above 16, shapes and modes the kernel has no form for, kernels that failed their self-check).
+    """Which implementation each quantized layer shape uses in this process, for every row count
+    1..16 alike: ``kernel`` where the tuner measured ours faster than stock by its margin over the
+    row counts it timed (or ``choices`` say so), stock everywhere else (shapes and modes the kernel
+    has no form for, forms that failed a self-check). Calls of more than 16 rows (prefill chunks)
+    run stock whatever the choice.
     """
 
     def __init__(self, metal: kernels.MetalKernels, choices: Optional[Dict[MatmulShape, str]] = None):
@@ -146,20 +195,22 @@ class QuantizedMatmuls:
             return None
         return cls(kernels.process_metal_kernels(), TuningCache.for_this_device().choices())
 
+    def chosen(self, shape: MatmulShape) -> bool:
+        return self.choices.get(shape) == OURS
+
     def matmul(self, x: mx.array, w, scales, biases, group_size: int, bits: int, mode: str,
                always: bool = False) -> Optional[mx.array]:
         """``x @ dequant(w).T`` through the kernel, or None where stock should run (``always``:
-        the kernel whatever the tuner measured, wherever it has a form and passed its self-check)."""
+        the kernel whatever the tuner measured, wherever it has a form and passed its self-checks)."""
         K = x.shape[-1]
         rows = x.size // K if K else 0
         if not 1 <= rows <= MAX_ROWS or not kernel_supports(bits, group_size, mode):
             return None
-        shape = MatmulShape(K, w.shape[0], bits, group_size, mode, rows, dtype_name(x.dtype))
-        if not always and self.choices.get(shape) != OURS:
+        if not always and not self.chosen(MatmulShape(K, w.shape[0], bits, group_size, mode, dtype_name(x.dtype))):
+            return None
+        if not form_usable(self.metal, x.dtype, w, scales, biases, group_size, bits, mode):
             return None
         launch = quantized_verify_launch(x.reshape(rows, K), w, scales, biases, group_size, bits, mode)
-        if not self.metal.usable(KERNEL, launch.template, _check_quantized):
-            return None
         return self.metal.run(launch)[0].reshape(*x.shape[:-1], w.shape[0])
 
 
@@ -241,82 +292,109 @@ def route_layers(model: nn.Module, layers, matmuls: Optional[QuantizedMatmuls]) 
         object.__setattr__(layer, "eager", routes_to_metal(layer))
 
 
+def _shape(layer: nn.Module, dtype: Optional[mx.Dtype] = None) -> MatmulShape:
+    N, packed = layer["weight"].shape
+    act = dtype or (layer["scales"].dtype if layer.mode == "affine" else mx.bfloat16)
+    return MatmulShape(packed * 32 // layer.bits, N, layer.bits, layer.group_size, layer.mode, dtype_name(act))
+
+
 def routes_to_metal(model: nn.Module) -> bool:
-    """Whether some layer of ``model`` may run the Metal kernel (then it cannot be compiled:
-    the kernel is dispatched from Python, as the emulator that tests it must be)."""
-    return any(isinstance(m, (QuantizedLinear, QuantizedEmbedding)) and m.matmuls is not None
-               for _, m in model.named_modules())
+    """Whether some layer of ``model`` may run the Metal kernel: a routed layer whose shape chose it
+    (at its scales' dtype or float32, the draft's activations on M1/M2), or a mixture-of-experts
+    router, which takes it whatever the tuner chose (``kernel_rows``). Such a layer cannot be
+    compiled: the kernel is dispatched from Python, as the emulator that tests it must be. Layers
+    where stock won stay compiled."""
+    for _, m in model.named_modules():
+        if isinstance(m, (QuantizedLinear, QuantizedEmbedding)) and m.matmuls is not None:
+            if kernel_supports(m.bits, m.group_size, m.mode) and any(
+                    m.matmuls.chosen(_shape(m, dtype)) for dtype in (None, mx.float32, mx.float16, mx.bfloat16)):
+                return True
+        gate = getattr(m, "gate", None)
+        if hasattr(m, "router_logits") and isinstance(gate, QuantizedLinear) and gate.matmuls is not None:
+            return True
+    return False
 
 
-def shapes_of(models: Iterable[nn.Module], rows: Iterable[int] = range(1, MAX_ROWS + 1),
-              dtype: Optional[mx.Dtype] = None) -> List[MatmulShape]:
-    """Every distinct (K, N, bits, group size, mode, M) of the models' quantized layers that the
-    kernel has a form for, at the activation dtype (their scales' unless given)."""
-    seen = {}
+def layers_of(models: Iterable[nn.Module], dtype: Optional[mx.Dtype] = None) -> Dict[MatmulShape, nn.Module]:
+    """Every distinct (K, N, bits, group size, mode) of the models' quantized layers that the kernel
+    has a form for, at the activation dtype (their scales' unless given), with the first layer of
+    that shape: the tuner times the layer's own weights."""
+    seen: Dict[MatmulShape, nn.Module] = {}
     for model in models:
         for _, m in model.named_modules():
-            if not isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-                continue
-            if not kernel_supports(m.bits, m.group_size, m.mode):
-                continue
-            N, packed = m["weight"].shape
-            act = dtype or (m["scales"].dtype if m.mode == "affine" else mx.bfloat16)
-            for r in rows:
-                shape = MatmulShape(packed * 32 // m.bits, N, m.bits, m.group_size, m.mode, r, dtype_name(act))
-                seen[shape] = None
-    return list(seen)
+            if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and kernel_supports(m.bits, m.group_size, m.mode):
+                seen.setdefault(_shape(m, dtype), m)
+    return seen
 
 
-def _inputs(shape: MatmulShape, seed: int = 0):
-    kx, kw = mx.random.split(mx.random.key(seed))
-    dtype = getattr(mx, shape.dtype)
-    x = mx.random.normal((shape.rows, shape.K), key=kx).astype(dtype)
-    w, scales, *biases = mx.quantize(mx.random.normal((shape.N, shape.K), key=kw).astype(dtype) * 0.02,
-                                     shape.group_size, shape.bits, mode=shape.mode)
-    return x, w, scales, (biases[0] if biases else None)
+def shapes_of(models: Iterable[nn.Module], dtype: Optional[mx.Dtype] = None) -> List[MatmulShape]:
+    return list(layers_of(models, dtype))
 
 
-def wall_time(which: str, fn: Callable[[], mx.array], repeats: int = 20, warmup: int = 3) -> float:
-    """Median seconds of one evaluated call of ``fn`` (``which``: "stock" or "kernel"; each call
-    synchronised, as a decode step is)."""
+# The row counts the tuner times (the largest of each accumulator count): one decision for 1..16.
+TUNED_ROWS = (1, 2, 4, 8, 16)
+# The kernel runs a shape only if it is this much faster than stock over the timed row counts
+# (its layer then runs uncompiled, and timings carry noise).
+MARGIN = 0.05
+
+
+def batch_time(which: str, fn: Callable[[], mx.array], calls: int = 16, repeats: int = 5, warmup: int = 2) -> float:
+    """Seconds per call of ``fn`` (``which``: "stock" or "kernel"), from batches of ``calls`` calls
+    evaluated together: each call's CPU cost (a kernel dispatched from Python) counts, one
+    synchronisation's round trip is shared by the batch. The median batch of ``repeats``."""
     for _ in range(warmup):
         mx.eval(fn())
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - start)
+        mx.eval([fn() for _ in range(calls)])
+        times.append((time.perf_counter() - start) / calls)
     return sorted(times)[len(times) // 2]
+
+
+wall_time = batch_time  # the name callers used
 
 
 @dataclass
 class Timing:
     shape: MatmulShape
-    stock_s: float
-    kernel_s: Optional[float]  # None: the kernel failed its self-check here
+    stock_s: Dict[int, float]  # seconds per call, by rows
+    kernel_s: Optional[Dict[int, float]]  # None: the kernel failed a self-check for this form
 
     @property
     def choice(self) -> str:
-        return OURS if self.kernel_s is not None and self.kernel_s <= self.stock_s else STOCK
+        if self.kernel_s is None:
+            return STOCK
+        return OURS if sum(self.kernel_s.values()) <= (1 - MARGIN) * sum(self.stock_s.values()) else STOCK
 
 
-def tune(metal: kernels.MetalKernels, shapes: Iterable[MatmulShape],
-         measure: Callable[[str, Callable[[], mx.array]], float] = wall_time,
-         progress: Optional[Callable[[int, int], None]] = None) -> List[Timing]:
-    """Times stock ``mx.quantized_matmul`` against the kernel for each shape (same inputs)."""
-    shapes = list(shapes)
+def _arrays(layer: nn.Module):
+    return layer["weight"], layer["scales"], layer.get("biases")
+
+
+def tune(metal: kernels.MetalKernels, layers, measure: Callable[[str, Callable[[], mx.array]], float] = batch_time,
+         progress: Optional[Callable[[int, int], None]] = None, rows: Iterable[int] = TUNED_ROWS) -> List[Timing]:
+    """Times stock ``mx.quantized_matmul`` against the kernel for each shape at each of ``rows``,
+    on the layer's own weights (``layers``: shape -> layer, as ``layers_of`` gives; x is random),
+    and decides per shape for every row count at once (``Timing.choice``)."""
+    layers = dict(layers)
+    rows = list(rows)
     timings = []
-    for i, shape in enumerate(shapes):
-        x, w, scales, biases = _inputs(shape)
-        stock = measure(STOCK, lambda: mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=shape.group_size,
-                                                    bits=shape.bits, mode=shape.mode))
-        launch = quantized_verify_launch(x, w, scales, biases, shape.group_size, shape.bits, shape.mode)
-        ours = None
-        if metal.usable(KERNEL, launch.template, _check_quantized):
-            ours = measure(OURS, lambda: metal.run(launch)[0])
+    for i, (shape, layer) in enumerate(layers.items()):
+        w, scales, biases = _arrays(layer)
+        dtype = getattr(mx, shape.dtype)
+        usable = form_usable(metal, dtype, w, scales, biases, shape.group_size, shape.bits, shape.mode)
+        stock, ours = {}, ({} if usable else None)
+        for M in rows:
+            x = mx.random.normal((M, shape.K), key=mx.random.key(M)).astype(dtype)
+            stock[M] = measure(STOCK, lambda: mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=shape.group_size,
+                                                                bits=shape.bits, mode=shape.mode))
+            if usable:
+                launch = quantized_verify_launch(x, w, scales, biases, shape.group_size, shape.bits, shape.mode)
+                ours[M] = measure(OURS, lambda: metal.run(launch)[0])
         timings.append(Timing(shape, stock, ours))
         if progress is not None:
-            progress(i + 1, len(shapes))
+            progress(i + 1, len(layers))
     return timings
 
 
@@ -327,6 +405,10 @@ def device_id() -> str:
     facts = device.facts()
     source = hashlib.sha256(kernels.kernel_source(KERNEL).encode()).hexdigest()[:12]
     return f"{facts.name} | {facts.architecture} | mlx {mx.__version__} | {KERNEL} {source}"
+
+
+def per_rows_us(times: Optional[Dict[int, float]]) -> Optional[Dict[str, float]]:
+    return None if times is None else {str(m): t * 1e6 for m, t in times.items()}
 
 
 class TuningCache:
@@ -345,12 +427,13 @@ class TuningCache:
         return cls(home() / "tuning.json", device_id())
 
     def missing(self, shapes: Iterable[MatmulShape]) -> List[MatmulShape]:
-        return [s for s in shapes if s.key() not in self.entries]
+        choices = self.choices()
+        return [s for s in shapes if s not in choices]
 
     def record(self, timings: Iterable[Timing]) -> None:
         for t in timings:
-            self.entries[t.shape.key()] = {"shape": t.shape.__dict__, "stock_us": t.stock_s * 1e6,
-                                           "kernel_us": None if t.kernel_s is None else t.kernel_s * 1e6, "choice": t.choice}
+            self.entries[t.shape.key()] = {"shape": t.shape.__dict__, "stock_us": per_rows_us(t.stock_s),
+                                           "kernel_us": per_rows_us(t.kernel_s), "choice": t.choice}
         try:
             everything = json.loads(self.path.read_text())
         except (OSError, ValueError):
@@ -362,6 +445,7 @@ class TuningCache:
         partial.replace(self.path)
 
     def choices(self) -> Dict[MatmulShape, str]:
+        """Entries in this format only (an older file's per-row entries are timed again)."""
         out = {}
         for entry in self.entries.values():
             try:
@@ -372,22 +456,35 @@ class TuningCache:
 
 
 def tune_pair(matmuls: QuantizedMatmuls, models: Iterable[nn.Module], cache: TuningCache, everything: bool = False,
-              measure=wall_time, progress=None) -> List[Timing]:
+              measure=batch_time, progress=None) -> List[Timing]:
     """Times the pair's shapes the cache lacks (all of them with ``everything``), records them,
-    and makes ``matmuls`` use the results. Returns the new timings."""
-    shapes = shapes_of(models)
-    todo = shapes if everything else cache.missing(shapes)
+    makes ``matmuls`` use the results, and routes the models again so that only the layers whose
+    kernel won run uncompiled. Returns the new timings."""
+    models = list(models)
+    layers = layers_of(models)
+    todo = layers if everything else {s: layers[s] for s in cache.missing(layers)}
     timings = tune(matmuls.metal, todo, measure, progress) if todo else []
     if timings:
         cache.record(timings)
     matmuls.choices.update(cache.choices())
+    for model in models:
+        if hasattr(model, "use_quantized_matmuls"):
+            model.use_quantized_matmuls(matmuls)
+        else:
+            route(model, matmuls)
     return timings
 
 
 def render_timings(timings: Iterable[Timing]) -> List[str]:
-    """The tuner's table: one line per shape, stock and kernel times, the choice."""
-    lines = [f"{'shape':<44} {'stock us':>9} {'kernel us':>9}  choice"]
+    """The tuner's table: one line per shape, stock / kernel microseconds per call at each timed
+    row count, the choice (for every row count)."""
+    timings = list(timings)
+    rows = sorted({m for t in timings for m in t.stock_s})
+    lines = [f"{'shape':<36} " + " ".join(f"{'M=' + str(m) + ' stock/kernel':>19}" for m in rows) + "  choice"]
     for t in timings:
-        kernel = "failed" if t.kernel_s is None else f"{t.kernel_s * 1e6:9.1f}"
-        lines.append(f"{t.shape.key():<44} {t.stock_s * 1e6:9.1f} {kernel:>9}  {t.choice}")
+        cells = []
+        for m in rows:
+            kernel = "failed" if t.kernel_s is None else f"{t.kernel_s[m] * 1e6:.1f}"
+            cells.append(f"{t.stock_s[m] * 1e6:.1f}/{kernel}".rjust(19))
+        lines.append(f"{t.shape.key():<36} " + " ".join(cells) + f"  {t.choice}")
     return lines

@@ -1,5 +1,6 @@
-"""What a verify pass reads through its quantized matmuls, from the shapes and MLX 0.32's Metal
-dispatch rules (``mlx/backend/metal/quantized.cpp``: ``get_qmv_batch_limit``, ``qmv_wide``).
+"""What a verify pass costs on an Apple GPU: the bytes its kernels read AND the arithmetic they do,
+from the shapes and MLX 0.32's Metal dispatch rules (``mlx/backend/metal/quantized.cpp``:
+``get_qmv_batch_limit``, ``qmv_wide``), against each GPU family's memory bandwidth and ALU rate.
 
 Computed, not measured: the weight bytes each kernel requests (the system-level cache can serve
 part of a re-read; activations are small beside the weights and left out). Stock, for transposed
@@ -10,6 +11,13 @@ M = 16 at 3.9-4.5x of M = 1, so bytes understate its cost); below the limit M3 a
 Ours (``metal/quantized_verify.metal``) reads them once for M <= 16. Experts of a mixture of
 experts go through ``gather_qmm`` either way (the kernel has no gather form).
 
+The cost model (``pass_seconds``, ``cycle_steps``) adds the arithmetic: each kernel's operations
+per weight per row, counted from its source (ours: ``metal/quantized_verify.metal``; stock: MLX
+0.32's ``quantized.h``), against the GPU's lane-operations per second, and takes for each kernel
+the longer of its bytes and its operations (a roofline per kernel; kernels run one after another).
+It includes the attention kernels MLX picks by query count and the Gated DeltaNet recurrence and
+rollback, and leaves out dispatch and host overhead, norms and the convolution.
+
 ``python -m dflash_mlx.traffic`` prints the tables of ``docs/kernels.md``.
 """
 
@@ -17,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 GENERATIONS = {"M1/M2": 13, "M3/M4": 15, "M5": 17}  # Apple GPU generation (laptop and desktop, not Ultra)
 GB = 1e9
@@ -159,31 +167,303 @@ def tables() -> List[str]:
     lines += ["\\* `qmm` reads the weights once per 32 rows but computes all 32: public per-op timings put M = 16 at "
               "3.9-4.5x of M = 1 on large 4-bit shapes (and M = 8 through `qmv_wide` at 2.5-2.8x), so for `qmm` rows "
               "bytes understate the stock cost.", ""]
-    c = QWEN35_9B
-    lines += ["**A cycle at the seed's settings** (Qwopus3.5-9B 4-bit, w4 draft, block 8), in decode steps of weight "
-              "traffic: the draft's pass, the head over 7 proposals, the verify pass.", "",
-              "| GPU | stock | ours |", "|---|---|---|"]
-    for gpu, gen in GENERATIONS.items():
-        lines.append(f"| {gpu} | {cycle_cost(c, 8, gen, False):.2f} | {cycle_cost(c, 8, gen, True):.2f} |")
     return lines
 
 
 def summary() -> List[str]:
-    """One table for the README: GB per verify pass, stock / ours, by model, GPU and M."""
-    lines = ["| target, GPU | decode step | M = 4 | M = 8 | M = 16 |", "|---|---|---|---|---|"]
+    """One table for the README, from the cost model: a cycle in decode steps (stock / ours) by
+    target, GPU and block, at the seed's settings (4-bit target, w4 draft)."""
+    lines = ["| target, GPU | block 4 | block 8 | block 16 |", "|---|---|---|---|"]
     for name, c in (("9B", QWEN35_9B), ("35B-A3B", QWEN35_35B_A3B)):
-        dense = dense_matmuls(c)
-        for gpu, gen in GENERATIONS.items():
-            cells = []
-            for M in (4, 8, 16):
-                qmm = any(stock_reads(M, m.K, m.N, gen)[0] == "qmm" for m in dense)
-                stock, ours = (pass_bytes(dense, M, gen, o) + expert_bytes(c, M) for o in (False, True))
-                cells.append(f"{stock / GB:.1f}{' *' if qmm else ''} / {ours / GB:.1f}")
-            lines.append(f"| {name}, {gpu} | {decode_bytes(c) / GB:.2f} | " + " | ".join(cells) + " |")
+        draft = draft_matmuls(*DRAFTS[name])
+        for gpu_name in TABLE_GPUS:
+            gpu = gpu_named(gpu_name)
+            cells = [f"{cycle_steps(c, b, gpu, False, draft):.1f} / {cycle_steps(c, b, gpu, True, draft):.1f}" for b in (4, 8, 16)]
+            lines.append(f"| {name}, {gpu_name} | " + " | ".join(cells) + " |")
     return lines
+
+
+# ---- The cost model: bytes and arithmetic ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class GPU:
+    """One Apple GPU: its generation (MLX's dispatch rules), GPU cores (128 ALU lanes each), clock
+    and memory bandwidth, as published or commonly cited (FP32 TFLOPS = 2 x cores x 128 x clock)."""
+
+    name: str
+    generation: int
+    cores: int
+    clock_ghz: float
+    bandwidth_gbs: float
+
+    @property
+    def ops_per_s(self) -> float:
+        """Lane operations per second: one per ALU lane per cycle (an fma counts once). M3 and
+        later can issue integer and float operations side by side; not counted."""
+        return self.cores * 128 * self.clock_ghz * 1e9
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bandwidth_gbs * 1e9
+
+    @property
+    def ops_per_byte(self) -> float:
+        return self.ops_per_s / self.bytes_per_s
+
+
+GPUS = (
+    GPU("M1", 13, 8, 1.278, 68.25),
+    GPU("M1 Max", 13, 32, 1.296, 400.0),
+    GPU("M3 Pro", 15, 18, 1.398, 150.0),
+    GPU("M3 Max", 15, 40, 1.398, 400.0),
+    GPU("M4 Pro", 16, 20, 1.578, 273.0),
+    GPU("M4 Max", 16, 40, 1.578, 546.0),
+)
+TABLE_GPUS = ("M1", "M3 Pro", "M4 Max")  # one of each family in the cycle tables
+
+# Lane operations per weight, counted from the sources (docs/kernels.md has the derivation):
+# ours, per row and once per call (the decode); stock qmv per row (it runs whole per row);
+# qmv_wide, a dequantization per tile of up to 5 rows and per row a load, convert and fma; qmm, a
+# dequantization into threadgroup memory per 32-row tile and 32 fma (the padding rows computed);
+# unquantized: gemv per row, gemm per 32-row tile.
+OURS_PER_ROW = 1.4375
+OURS_ONCE = {4: 4.625, 8: 4.75}
+QMV_PER_ROW = 4.6
+QMV_WIDE_PER_TILE, QMV_WIDE_PER_ROW = 4.0, 3.0
+QMM_PER_TILE = 5.0 + 32.0
+GEMV_PER_ROW, GEMM_PER_TILE = 1.25, 33.0
+CONTEXT = 4096  # keys attended to in the tables
+
+
+def ops_per_weight(kernel: str, M: int, bits: int = 4, tiles: int = 1) -> float:
+    """Lane operations per weight of one ``M``-row call of ``kernel`` (all rows together)."""
+    if kernel == "ours":
+        return OURS_PER_ROW * M + OURS_ONCE.get(bits, 4.75)
+    if kernel == "qmv":
+        return QMV_PER_ROW * M
+    if kernel == "qmv_wide":
+        return QMV_WIDE_PER_TILE * tiles + QMV_WIDE_PER_ROW * M
+    if kernel == "qmm":
+        return QMM_PER_TILE * tiles
+    if kernel == "gemv":
+        return GEMV_PER_ROW * M
+    if kernel == "gemm":
+        return GEMM_PER_TILE * tiles
+    raise ValueError(kernel)
+
+
+def matmul_cost(m: Matmul, M: int, gpu: GPU, ours: bool) -> Tuple[str, float, float]:
+    """``(kernel, bytes, operations)`` of ``m``'s calls at ``M`` rows."""
+    weights = m.K * m.N * m.count
+    if m.bits >= 16:
+        kind, tiles = ("gemv", 1) if M == 1 else ("gemm", math.ceil(M / 32))
+        return kind, float(m.bytes * tiles), weights * ops_per_weight(kind, M, tiles=tiles)
+    if ours and M <= 16 and m.bits in OURS_ONCE:
+        return "ours", float(m.bytes), weights * ops_per_weight("ours", M, m.bits)
+    kind, reads = stock_reads(M, m.K, m.N, gpu.generation)
+    return kind, float(m.bytes * reads), weights * ops_per_weight(kind, M, m.bits, reads)
+
+
+def seconds(nbytes: float, ops: float, gpu: GPU) -> float:
+    """A kernel's time on ``gpu``: the longer of its memory traffic and its arithmetic."""
+    return max(nbytes / gpu.bytes_per_s, ops / gpu.ops_per_s)
+
+
+def attention_seconds(c: Dict, M: int, gpu: GPU, context: int = CONTEXT) -> float:
+    """The full-attention layers at ``M`` queries: MLX's ``sdpa_vector`` for up to 8 queries (and
+    queries x GQA factor <= 32) reads the keys and values once per query; the tiled kernel reads
+    them once per block of 32 queries and computes whole blocks. Per query, key and head: two
+    head_dim-long fma chains and a few softmax operations."""
+    layers = c["layers"] // c["interval"]
+    kv = context * c["kv_heads"] * c["head_dim"] * 2 * 2  # K and V, 16-bit
+    vector = M <= 8 and M * (c["heads"] // c["kv_heads"]) <= 32
+    reads, queries = (M, M) if vector else (math.ceil(M / 32), 32 * math.ceil(M / 32))
+    ops = queries * context * c["heads"] * (2 * c["head_dim"] + 4)
+    return layers * seconds(kv * reads, ops, gpu)
+
+
+def recurrence_seconds(c: Dict, M: int, gpu: GPU, rollback: bool = False) -> float:
+    """The Gated DeltaNet layers' recurrence over ``M`` steps (our kernel: the float32 state read
+    and written once, the tape written; about 5 operations per state element per step), or a
+    rollback's replay (the saved state read, the new one written, 2 operations per element and
+    kept step, taken at its worst: every step kept but the last)."""
+    layers = c["layers"] - c["layers"] // c["interval"]
+    elements = c["v_heads"] * c["v_dim"] * c["k_dim"]
+    if rollback:
+        return layers * seconds(2 * 4 * elements, 2 * elements * max(M - 1, 0), gpu)
+    return layers * seconds(2 * 4 * elements + M * c["v_heads"] * c["v_dim"] * 4, 5 * elements * M, gpu)
+
+
+def expert_seconds(c: Dict, M: int, gpu: GPU) -> float:
+    """Mixture-of-experts experts through ``gather_qmm`` (the same in both columns): the bytes of
+    ``expert_bytes`` and ``QMV_PER_ROW`` operations per weight per (token, expert) pair."""
+    if "experts" not in c:
+        return 0.0
+    per_expert = Matmul("expert", c["hidden"], c["expert_width"], 3)
+    ops = c["layers"] * M * c["top_k"] * per_expert.K * per_expert.N * per_expert.count * QMV_PER_ROW
+    return seconds(expert_bytes(c, M), ops, gpu)
+
+
+def pass_seconds(c: Dict, M: int, gpu: GPU, ours: bool, context: int = CONTEXT,
+                 matmuls: Optional[List[Matmul]] = None) -> float:
+    """One forward pass of the target over ``M`` tokens (a decode step at M = 1)."""
+    matmuls = dense_matmuls(c) if matmuls is None else matmuls
+    total = sum(seconds(*matmul_cost(m, M, gpu, ours)[1:], gpu) for m in matmuls)
+    return total + attention_seconds(c, M, gpu, context) + recurrence_seconds(c, M, gpu) + expert_seconds(c, M, gpu)
+
+
+# The drafts, as matmuls of their parameters at w4 (the seed's --draft-quant): z-lab's
+# Qwen3.5-9B-DFlash is about 1.3B parameters (2.6 GB in bf16) of hidden-4096 layers; the
+# 35B-A3B's draft is taken to be the same kind of stack at hidden 2048, about 0.5B (an assumption).
+DRAFTS = {"9B": (DRAFT_9B_PARAMS, 4096, 12288), "35B-A3B": (0.5e9, 2048, 6144)}
+
+
+def draft_matmuls(params: float, hidden: int, width: int, bits: int = 4) -> List[Matmul]:
+    return [Matmul("draft", hidden, width, max(1, round(params / (hidden * width))), bits=bits)]
+
+
+def cycle_seconds(c: Dict, block: int, gpu: GPU, ours: bool, draft: List[Matmul], context: int = CONTEXT,
+                  matmuls: Optional[List[Matmul]] = None) -> float:
+    """A cycle of ``block`` tokens: the draft's pass over the block, the target's head over its
+    block - 1 proposals, the target's verify pass, a rollback. ``block`` = 1: a decode step."""
+    verify = pass_seconds(c, block, gpu, ours, context, matmuls)
+    if block == 1:
+        return verify
+    head = Matmul("lm_head", c["hidden"], c["vocab"], 1)
+    drafting = sum(seconds(*matmul_cost(m, block, gpu, ours)[1:], gpu) for m in draft)
+    heading = seconds(*matmul_cost(head, block - 1, gpu, ours)[1:], gpu)
+    return drafting + heading + verify + recurrence_seconds(c, block, gpu, rollback=True)
+
+
+def cycle_steps(c: Dict, block: int, gpu: GPU, ours: bool, draft: List[Matmul], context: int = CONTEXT,
+                matmuls: Optional[List[Matmul]] = None) -> float:
+    """``cycle_seconds`` in decode steps of the target alone with MLX's stock kernels."""
+    return cycle_seconds(c, block, gpu, ours, draft, context, matmuls) / pass_seconds(c, 1, gpu, False, context, matmuls)
+
+
+def gpu_named(name: str) -> GPU:
+    return next(g for g in GPUS if g.name == name)
+
+
+BLOCKS = (2, 3, 4, 6, 8, 12, 16)
+
+
+def cost_tables() -> List[str]:
+    """The cost model's tables for ``docs/kernels.md``: the GPUs, the kernels' operations per
+    weight, and the modelled cycle cost in decode steps for both targets, blocks 2-16."""
+    lines = ["| GPU | cores | GB/s | lane Gops/s | ops per byte | ops per 4-bit weight (0.5625 B) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for g in GPUS:
+        lines.append(f"| {g.name} | {g.cores} | {g.bandwidth_gbs:g} | {g.ops_per_s / 1e9:.0f} | {g.ops_per_byte:.1f} | "
+                     f"{g.ops_per_byte * 0.5625:.1f} |")
+    lines += ["", "Operations per weight of one call, all rows (4-bit; M3/M4 dispatch rules for a large shape):", "",
+              "| kernel | M = 1 | 2 | 4 | 8 | 16 |", "|---|---:|---:|---:|---:|---:|"]
+    big = Matmul("x", 4096, 12288, 1)
+    for label, ours in (("ours", True), ("stock (qmv / qmv_wide / qmm)", False)):
+        cells = []
+        for M in (1, 2, 4, 8, 16):
+            kind, _, ops = matmul_cost(big, M, gpu_named("M3 Pro"), ours)
+            cells.append(f"{ops / (big.K * big.N):.1f}" + ("" if ours else f" {kind}"))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    for name, c in (("9B", QWEN35_9B), ("35B-A3B", QWEN35_35B_A3B)):
+        draft = draft_matmuls(*DRAFTS[name])
+        lines += ["", f"**Qwen3.5-{name} 4-bit, w4 draft, {CONTEXT} tokens of context**: a cycle in decode steps of the "
+                  "target alone with stock kernels (draft pass, head over the proposals, verify pass, rollback); "
+                  "`decode` is a decode step through our kernel.", "",
+                  "| GPU | kernels | decode | " + " | ".join(f"block {b}" for b in BLOCKS) + " |",
+                  "|---|---|---:|" + "---:|" * len(BLOCKS)]
+        for gpu_name in TABLE_GPUS:
+            gpu = gpu_named(gpu_name)
+            for ours in (False, True):
+                decode = pass_seconds(c, 1, gpu, ours) / pass_seconds(c, 1, gpu, False)
+                cells = [f"{cycle_steps(c, b, gpu, ours, draft):.2f}" for b in BLOCKS]
+                lines.append(f"| {gpu_name} | {'ours' if ours else 'stock'} | {decode:.2f} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def bound_by(c: Dict, M: int, gpu: GPU, ours: bool) -> float:
+    """The share of a pass's modelled time that its arithmetic, not its bytes, decides."""
+    total = arithmetic = 0.0
+    for m in dense_matmuls(c):
+        _, nbytes, ops = matmul_cost(m, M, gpu, ours)
+        t = seconds(nbytes, ops, gpu)
+        total += t
+        arithmetic += t if ops / gpu.ops_per_s > nbytes / gpu.bytes_per_s else 0.0
+    return arithmetic / total
+
+
+# ---- auto's prior on a Mac ----------------------------------------------------------------------
+
+def gpu_of(facts) -> Optional[GPU]:
+    """The table's GPU for ``device.facts()`` (by name, else the generation's first), None off
+    Apple GPUs."""
+    if facts.generation is None:
+        return None
+    for g in sorted(GPUS, key=lambda g: -len(g.name)):
+        if g.name in facts.name:
+            return g
+    same = [g for g in GPUS if g.generation == facts.generation]
+    return same[0] if same else min(GPUS, key=lambda g: abs(g.generation - facts.generation))
+
+
+def _linear_matmuls(model, tied: bool = False, skip=("switch_mlp",)) -> List[Matmul]:
+    """Every (quantized) linear layer of ``model`` as a Matmul, experts left out; ``tied``: its
+    embedding too (a tied output head)."""
+    import mlx.nn as nn
+
+    out = []
+    for path, m in model.named_modules():
+        if any(part in path for part in skip):
+            continue
+        if isinstance(m, nn.QuantizedLinear) or (tied and isinstance(m, nn.QuantizedEmbedding)):
+            N, packed = m["weight"].shape
+            out.append(Matmul(path, packed * 32 // m.bits, N, 1, bits=m.bits, group_size=m.group_size))
+        elif isinstance(m, nn.Linear) or (tied and isinstance(m, nn.Embedding)):
+            N, K = m["weight"].shape
+            out.append(Matmul(path, K, N, 1, bits=16))
+    return out
+
+
+def config_of(target) -> Dict:
+    """The cost model's description of a loaded Qwen3.5 target."""
+    a = target.args
+    c = dict(hidden=a.hidden_size, layers=a.num_hidden_layers, interval=a.full_attention_interval, heads=a.num_attention_heads,
+             kv_heads=a.num_key_value_heads, head_dim=a.head_dim, k_heads=a.linear_num_key_heads,
+             v_heads=a.linear_num_value_heads, k_dim=a.linear_key_head_dim, v_dim=a.linear_value_head_dim,
+             vocab=a.vocab_size, intermediate=a.intermediate_size)
+    if hasattr(a, "num_experts"):
+        c.update(experts=a.num_experts, top_k=a.num_experts_per_tok, expert_width=a.moe_intermediate_size,
+                 shared_width=a.shared_expert_intermediate_size)
+    return c
+
+
+def auto_prior(model, facts=None, cap: int = 16) -> Optional[List[float]]:
+    """What ``auto`` assumes cycles of 1..``cap`` tokens cost, in decode steps, before it has
+    measured any (on an Apple GPU; None elsewhere): this cost model on the loaded pair (its own
+    layers, our kernel where the tuner chose it) and this GPU."""
+    from . import device
+
+    facts = facts or device.facts()
+    gpu = gpu_of(facts) if facts.metal else None
+    if gpu is None or model.target is None or model.draft is None:
+        return None
+    try:
+        c = config_of(model.target)
+        matmuls = _linear_matmuls(model.target, tied=model.target.args.tie_word_embeddings)
+        draft = _linear_matmuls(model.draft)
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+    ours = model.matmuls is not None and any(v == "kernel" for v in model.matmuls.choices.values())
+    decode = pass_seconds(c, 1, gpu, False, matmuls=matmuls)
+    return [cycle_seconds(c, b, gpu, ours, draft, matmuls=matmuls) / decode for b in range(1, cap + 1)]
 
 
 if __name__ == "__main__":
     import sys
 
-    print("\n".join(summary() if "--summary" in sys.argv else tables()))
+    if "--summary" in sys.argv:
+        print("\n".join(summary()))
+    elif "--cost" in sys.argv:
+        print("\n".join(cost_tables()))
+    else:
+        print("\n".join(tables() + cost_tables()))

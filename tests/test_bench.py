@@ -44,3 +44,49 @@ def test_the_mlx_lm_baseline_runs_mlx_lm_on_the_same_checkpoint(tmp_path):
     jobs = [("code", 0, 0, "hello world")]
     runs = run_all(model, tokenizer, jobs, ["4"], 8, False, mlx_lm_model=baseline, progress=lambda done, label: None)
     assert sorted(r.mode for r in runs) == ["baseline", "dflash", "mlx_lm"]
+
+
+def scripted_logits(tokens):
+    """A scripted target over 128 tokens: after [1, 2, 3, 10, 11] its top two are 12 and 99 one
+    bfloat16 ulp apart (a near-tie); after [4, 5] its top two are 20 and 21 a whole logit apart;
+    after [6, 7, 30] the top is 31, with 98 one ulp below it."""
+    import mlx.core as mx
+
+    logits = [0.0] * 128
+    if tokens == [1, 2, 3, 10, 11]:
+        logits[12], logits[99] = 5.0, 5.0 - 2.0**-5  # bfloat16 spacing at 5 is 2^-5
+    elif tokens == [4, 5]:
+        logits[20], logits[21] = 6.0, 5.0
+    else:
+        logits[31], logits[98] = 5.0, 5.0 - 2.0**-5
+    return mx.array(logits).astype(mx.bfloat16)
+
+
+def test_bench_reports_greedy_divergences_and_fails_only_off_a_near_tie():
+    from dflash_mlx import bench
+
+    prompts = {("code", 0, 0): [1, 2, 3], ("code", 0, 1): [4, 5], ("code", 0, 2): [6, 7]}
+    base = [run("baseline", 0, 100, output=(10, 11, 12, 13)), run("baseline", 1, 100, output=(20, 22)),
+            run("baseline", 2, 100, output=(30, 31))]
+    tie = run("dflash", 0, 150, "4", output=(10, 11, 99, 13))
+    real = run("dflash", 1, 150, "4", output=(21, 22))
+    same = run("dflash", 2, 150, "4", output=(30, 31))
+    found = bench.find_divergences(base + [tie, same], prompts, scripted_logits)
+    assert [(d.position, d.expected, d.got, d.near_tie) for d in found] == [(2, 12, 99, True)]
+    assert found[0].top2 == (12, 99) and found[0].ulps == pytest.approx(1.0) and same.divergence is None
+    (row,) = bench.summarize(base + [tie, same])
+    lines, failed = bench.divergence_report([row])
+    assert not row["identical"] and not failed and bench._identical(row) == "near-tie"
+    assert lines == ["code block 4 prompt 1: token 2: 99 instead of 12 (target top-2 (12, 99), gap 0.0312 = 1.0 ulp: a near-tie)"]
+
+    bench.find_divergences(base + [tie, real], prompts, scripted_logits)
+    (row,) = bench.summarize(base + [tie, real])
+    lines, failed = bench.divergence_report([row])
+    assert failed and bench._identical(row) == "NO"
+    assert "prompt 2: token 0: 21 instead of 20 (target top-2 (20, 21), gap 1 = 32.0 ulp: not a near-tie)" in lines[1]
+    # A near-tie of the target's top two does not cover a third token.
+    other = run("dflash", 2, 150, "4", output=(30, 40))
+    (d,) = bench.find_divergences(base + [other], {**prompts, ("code", 0, 2): [6, 7]}, scripted_logits)
+    assert d.position == 1 and not d.near_tie
+    assert not bench.first_divergence([1], [2, 3], [2], scripted_logits).near_tie  # DFlash stopped early
+    assert bench.first_divergence([1], [2, 3], [2, 3], scripted_logits) is None

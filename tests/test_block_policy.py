@@ -210,6 +210,34 @@ def test_cycle_costs_fit_a_line_and_learn_what_it_misses():
     assert predicted[7] > predicted[2]  # an unmeasured size follows the line
 
 
+def test_cycle_costs_start_from_a_modelled_prior_until_measured():
+    """On a Mac auto starts from the cost model (decode steps per size): before any measurement
+    it predicts the prior; measured sizes scale its shape to seconds for the sizes not measured;
+    from PRIOR_SIZES measured sizes on, the fitted line takes over. A prior where cycles of 8+
+    tokens are dear makes the first choice a smaller block than the flat start would."""
+    prior = [1.0, 1.3, 1.4, 1.5, 1.8, 2.0, 2.3, 3.0] + [3.0 + 0.5 * i for i in range(1, 9)]
+    costs = CycleCosts(prior=prior)
+    assert costs.predict(1, 16) == prior and costs.predict(17, 17) == [prior[-1] + 0.5]
+    costs.observe(4, 9.0)  # compiles: ignored
+    costs.observe(4, 3 * MS)  # 1.5 steps measured as 3 ms: a step is 2 ms
+    assert costs.predict(8, 8)[0] == pytest.approx(3.0 * 2 * MS)
+    assert costs.predict(4, 4)[0] == pytest.approx(3 * MS)
+    for b, steps in ((1, 1.0), (2, 1.3)):
+        costs.observe(b, 9.0)
+        for _ in range(5):
+            costs.observe(b, steps * 2 * MS)
+    assert costs.predict(8, 8)[0] == pytest.approx(costs.line(8))  # three sizes measured: the line
+
+    acceptance = SlotAcceptance()
+    for _ in range(20):
+        acceptance.observe(drafted=15, accepted=15)  # everything accepted so far
+    flat, modelled = BlockStats.seeded(0), BlockStats.seeded(0)
+    modelled.costs.set_prior([1.0, 1.1, 1.2, 1.3] + [4.0 + i for i in range(12)])
+    for stats in (flat, modelled):
+        stats.acceptance = acceptance
+    assert AutoBlock(flat, 16).best() == 16 and AutoBlock(modelled, 16).best() == 4
+
+
 def test_cycle_costs_skip_the_compiling_cycle_and_clip_outliers():
     costs = CycleCosts()
     costs.observe(2, 1.0)  # the first cycle of a size compiles: ignored

@@ -73,15 +73,17 @@ def test_doctor_tune_off_an_apple_gpu_has_nothing_to_tune():
 
 
 def test_doctor_tune_times_every_quantized_shape_of_the_pair(tmp_path):
-    """On the emulated Mac path: every (K, N, bits, group size) of the demo pair's w4 draft at
-    M = 1..16 is timed (a stand-in clock: the kernel wins above 2 rows), the table printed, the
-    choices saved and used."""
+    """On the emulated Mac path: every (K, N, bits, group size) of the demo pair's w4 draft is timed
+    at the tuner's row counts (a stand-in clock: the kernel wins overall, except on the 64-column
+    shapes), one choice per shape for every row count, the table printed, the choices saved and used."""
     from dflash_mlx import quantized
 
     def measure(which, fn):
         out = fn()
         mx.eval(out)  # the kernel and stock both run
-        return 2.0 if which == quantized.STOCK else (3.0 if out.shape[0] <= 2 else 1.0)
+        if which == quantized.STOCK:
+            return 2.0
+        return 3.0 if out.shape[0] <= 2 or out.shape[1] == 64 else 1.0
 
     metal = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST))
     matmuls = quantized.QuantizedMatmuls(metal)
@@ -90,11 +92,11 @@ def test_doctor_tune_times_every_quantized_shape_of_the_pair(tmp_path):
                              tune=True, matmuls=matmuls, tuning_cache=cache, measure=measure)
     assert not report.failed, doctor.render(report)
     shapes = {(t.shape.K, t.shape.N) for t in report.tuning}
-    assert (64, 64) in shapes and {t.shape.rows for t in report.tuning} == set(range(1, 17))
-    assert all(t.choice == (quantized.OURS if t.shape.rows > 2 else quantized.STOCK) for t in report.tuning)
+    assert (64, 64) in shapes and all(set(t.stock_s) == set(quantized.TUNED_ROWS) for t in report.tuning)
+    assert all(t.choice == (quantized.STOCK if t.shape.N == 64 else quantized.OURS) for t in report.tuning)
     assert matmuls.choices == {t.shape: t.choice for t in report.tuning}
     text = "\n".join(doctor.render(report))
-    assert "quantized matmuls: the verify kernel is faster for" in text and "affine4 gs64 K64 N64 M16 bfloat16" in text
+    assert "quantized matmuls: the verify kernel is faster for" in text and "affine4 gs64 K64 N64 bfloat16" in text
     saved = json.loads((tmp_path / "tuning.json").read_text())["emulated M3"]
     assert len(saved) == len(report.tuning)
     assert len(doctor.as_json(report)["tuning"]) == len(report.tuning)

@@ -183,36 +183,63 @@ def _self_check_warnings(caught) -> list:
 
 
 @pytest.mark.parametrize("failure", ["compile error", "wrong output"])
-def test_a_kernel_that_fails_its_self_check_falls_back(hf_target_dir, tmp_path, failure, prompts):
-    """One warning naming the kernel and the error, then the reference: output identical to the
-    target alone (on the CPU path), never a crash."""
+def test_a_recurrence_kernel_that_fails_its_self_check_falls_back_to_mlx_lms_kernel(hf_target_dir, tmp_path, failure,
+                                                                                      prompts, monkeypatch):
+    """One warning naming the kernel, the error and the fallback; then mlx-lm's own gated_delta
+    kernel (its source, run by the emulator) takes prefill, decode steps and verify blocks, one
+    dispatch per Gated DeltaNet layer per prefill chunk and never the per-token reference loop, and
+    a rollback recomputes the kept steps from the saved state in one dispatch: output identical to
+    the target alone on the same path, and to the CPU path's."""
+    from dflash_mlx.speculative import prefill
+
     if failure == "compile error":
         sources = mutated_sources("gated_delta_tape", "auto g_ = g + b_idx", "auto g_ = gate + b_idx")
     else:
         sources = mutated_sources("gated_delta_tape", *MUTATIONS["wrong gate (first step's for all)"][1:])
-    target, config = load_target(hf_target_dir, recurrence=emulated_recurrence(sources))
+    recurrence = emulated_recurrence(sources)
+    target, config = load_target(hf_target_dir, recurrence=recurrence)
     reference, _ = load_target(hf_target_dir)
     draft = make_draft(tmp_path, target, config, block_size=8)
+    metal = recurrence.metal
+    launches, recomputed = [], []
+    real_run, real_recompute = metal.run, metal.recompute
+    metal.run = lambda launch: launches.append((launch.name, launch.inputs[1].shape[1])) or real_run(launch)
+    metal.recompute = lambda *args: recomputed.append(args[-1]) or real_recompute(*args)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for prompt in prompts[:2]:
-            expected, _ = take(target_only(reference, prompt, GREEDY), 16)
+            expected, _ = take(target_only(target, prompt, GREEDY), 16)
             got, _ = take(speculative(target, draft, prompt, GREEDY, block_tokens=4), 16)
-            assert_lossless(reference, prompt, expected, got)
+            assert_lossless(target, prompt, expected, got)
+            assert_lossless(reference, prompt, take(target_only(reference, prompt, GREEDY), 16)[0], got)
     messages = [str(w.message) for w in _self_check_warnings(caught)]
     assert len(messages) == 1, messages
-    assert "gated_delta_tape" in messages[0]
+    assert "gated_delta_tape" in messages[0] and "replaced by mlx-lm's gated_delta kernel" in messages[0]
     expected = "MetalCompileError" if failure == "compile error" else "differs from the reference"
     assert expected in messages[0], messages[0]
     if failure == "compile error":  # the compiler's own words reach the user
         assert "undeclared identifier 'gate'" in messages[0], messages[0]
+    assert recomputed and all(0 < keep < 4 for keep in recomputed)  # rejected blocks: the kept steps again
+    assert not any(name == "tape_replay" for name, _ in launches)
     report = kernels_used(target)
     assert any(k.startswith("gated_delta_tape") and v != "ok" for k, v in report.items())
-    assert any(k.startswith("tape_replay") and v == "ok" for k, v in report.items())  # the other kernel still runs
+    assert any(k.startswith(kernels.MLX_LM_KERNEL) for k in report) and all(
+        v == "ok" for k, v in report.items() if k.startswith(kernels.MLX_LM_KERNEL))
+
+    # A prefill in chunks of 8 once every signature is checked: one mlx-lm dispatch per layer and chunk.
+    launches.clear()
+    loops = []
+    real_reference = kernels.gated_delta_reference
+    monkeypatch.setattr(kernels, "gated_delta_reference", lambda *a: loops.append(1) or real_reference(*a))
+    prompt = mx.concatenate([prompts[0], prompts[1], prompts[2]])[:20]
+    prefill(target, prompt, target.make_cache(), step_size=8)
+    layers = sum(layer.is_linear for layer in target.layers)
+    assert sorted(launches) == sorted([(kernels.MLX_LM_KERNEL, T) for T in (8, 8, 4) for _ in range(layers)])
+    assert not loops
 
 
 # Quantized targets and drafts: every quantized matmul of 1..16 rows through the verify kernel.
-WRONG_ROW = ("xs[i] = static_cast<float>(x[m * K + k0 + i]);", "xs[i] = static_cast<float>(x[k0 + i]);")
+WRONG_ROW = ("static_cast<float>(x[r * K + k])", "static_cast<float>(x[k])")
 
 
 def quantized_mac_pair(path, draft_dir, bits, sources=None, self_check=True):

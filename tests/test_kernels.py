@@ -343,3 +343,75 @@ def test_metal_kernels_on_an_apple_gpu(dtype):
                     atol=1e-5, rtol=1e-5,
                 )
     assert set(metal.report().values()) == {"ok"}, metal.report()
+
+
+def test_kernel_sources_are_read_from_this_checkout():
+    """In a checkout the ``.metal`` files beside the imported package are the ones run (an editable
+    install maps ``dflash_mlx.metal`` to the checkout it was installed from, maybe another one)."""
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parents[1] / "metal"
+    assert Path(str(kernels.metal_sources())) == here
+    assert kernels.kernel_source("quantized_verify") == (here / "quantized_verify.metal").read_text()
+
+
+def test_self_checks_cover_each_signature_a_call_makes():
+    """A specialization is checked once per (dtype, address space) combination of its inputs: the
+    unfixed kernel (typed `device` pointers) passes its check as a block (every input in `device`)
+    and fails it as one token on 4 value heads (g and beta `constant`), where the engine then takes
+    mlx-lm's kernel instead of compiling an unchecked source."""
+    template = dict(InT=mx.float32, StT=mx.float32, Dk=32, Dv=16, Hk=2, Hv=4)
+    metal = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST, _unfixed("gated_delta_tape", UNFIXED_TAPE)))
+    block = kernels._check_inputs(template, 8, mx.float32)
+    one = kernels._check_inputs(template, 1, mx.float32)
+    assert [a.signature for a in (kernels.gated_delta_launch(*block), kernels.gated_delta_launch(*one))] == [
+        (("float32", "d"),) * 6 + (("int32", "s"),),
+        (("float32", "d"),) * 3 + (("float32", "c"),) * 2 + (("float32", "d"), ("int32", "s"))]
+    assert not isinstance(metal.gated_delta(*block)[2], kernels.StepInputs)  # ours, with its tape
+    with pytest.warns(RuntimeWarning, match="constant g,beta failed its self-check .* mlx-lm's gated_delta kernel"):
+        y, state, tape = metal.gated_delta(*one)
+    assert isinstance(tape, kernels.StepInputs)
+    want = kernels.gated_delta_reference(*one)
+    np.testing.assert_allclose(np.array(y), np.array(want[0]), atol=1e-5, rtol=1e-5)
+    assert [v == "ok" for v in metal.report().values()].count(False) == 1
+
+
+def test_kernel_names_tell_sources_apart_on_mlx_0_30_and_0_31():
+    """MLX 0.30/0.31 name a generated source by kernel name and template only, and rebuild a
+    library whose name now stands for another source. Ours are built under the name plus the call
+    signature: alternating decode steps (g, beta `constant` on 4 heads) and blocks rebuild nothing
+    (the bare name would rebuild at every switch)."""
+    template = dict(InT=mx.float32, StT=mx.float32, Dk=32, Dv=16, Hk=2, Hv=4)
+    calls = [kernels.gated_delta_launch(*kernels._check_inputs(template, T, mx.float32)) for T in (1, 8, 1, 8)]
+    emulator = EmulatedMetal(LOWEST_FIRST, mlx_version=(0, 31))
+    metal = kernels.MetalKernels(emulator, self_check=False)
+    for launch in calls:
+        metal.run(launch)
+    assert emulator.rebuilds == 0 and len(emulator.libraries) == 2
+    bare = EmulatedMetal(LOWEST_FIRST, mlx_version=(0, 31))
+    names, outputs = kernels.KERNEL_IO["gated_delta_tape"]
+    kernel = bare(name="gated_delta_tape", input_names=list(names), output_names=list(outputs),
+                  source=kernels.kernel_source("gated_delta_tape"))
+    for launch in calls:
+        kernel(inputs=list(launch.inputs), template=list(launch.template), grid=launch.grid, threadgroup=launch.threadgroup,
+               output_shapes=list(launch.output_shapes), output_dtypes=list(launch.output_dtypes))
+    assert bare.rebuilds == 3
+
+
+def test_fallback_chain_never_loops_per_token_on_a_gpu(monkeypatch):
+    """Our kernel and mlx-lm's both failing their self-checks: a block (or a prefill chunk) takes
+    the chunked form, a handful of batched operations, not the per-token reference loop."""
+    sources = {**mutated_sources("gated_delta_tape", *MUTATIONS["delta missing beta"][1:]),
+               **mutated_sources(kernels.MLX_LM_KERNEL, "* beta_[hv_idx];", ";")}
+    recurrence = kernels.Recurrence(metal=kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST, sources)))
+    q, k, v, g, beta, state = inputs(np.random.default_rng(6), 1, 8, 32, 16, 2, 4, mx.float32)
+    loops = []
+    real_reference = kernels.gated_delta_reference
+    monkeypatch.setattr(kernels, "gated_delta_reference", lambda *a: loops.append(a[0] is q) or real_reference(*a))
+    with pytest.warns(RuntimeWarning) as warned:
+        y, final, delta = recurrence.gated_delta(q, k, v, g, beta, state)
+    assert {str(w.message).split()[4] for w in warned} == {"gated_delta_tape", kernels.MLX_LM_KERNEL}
+    assert loops and not any(loops)  # the self-checks' references only: the call itself is not looped
+    want = real_reference(q, k, v, g, beta, state)
+    np.testing.assert_allclose(np.array(y), np.array(want[0]), atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.array(final), np.array(want[1]), atol=2e-5, rtol=2e-5)

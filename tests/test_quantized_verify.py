@@ -5,6 +5,7 @@ the per-shape choice (``QuantizedMatmuls``, the tuner and its cache)."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from dflash_mlx import kernels, quantized
-from tests.metal_emulation import LOWEST_FIRST, PARALLEL, EmulatedMetal, mutated_sources
+from tests.metal_emulation import HIGHEST_FIRST, LOWEST_FIRST, PARALLEL, EmulatedMetal, mutated_sources
 
 # (mode, bits, group size): every form the kernel has.
 FORMS = [("affine", 4, 32), ("affine", 4, 64), ("affine", 4, 128), ("affine", 8, 32), ("affine", 8, 64),
@@ -46,57 +47,56 @@ def assert_matches_reference(got, x, w, scales, biases, mode, bits, group_size):
     np.testing.assert_allclose(got, want, atol=TOLERANCE[x.dtype] * scale, rtol=TOLERANCE[x.dtype])
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def exact(a) -> np.ndarray:
+    return np.array(a.astype(mx.float32))  # widening is exact: equal iff the bits are
+
+
+# Every accumulator count on one group size per form; the other group sizes (they change only the
+# index of a run's scale) at the 1 and 16 accumulator counts.
+SWEPT_FORMS = [("affine", 4, 64), ("affine", 8, 128), ("mxfp4", 4, 32)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [mx.float32], ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("form", FORMS, ids=lambda f: f"{f[0]}{f[1]}-gs{f[2]}")
-def test_the_kernel_equals_the_reference_for_every_form_and_row_count(form, dtype):
-    """M = 1..16 in one 16-accumulator specialization, on K one and a half simdgroup steps (lanes
-    past the edge idle) with N not a multiple of the 4 columns a simdgroup writes, and on a random
-    shape (K a random number of groups, N random, one column included)."""
+def test_every_row_equals_the_reference_and_the_row_computed_alone(form, dtype):
+    """M = 1..16, each in the accumulator count it rounds up to, the two serial thread schedules
+    taking turns: every row within rounding of the reference, and bit for bit the same row computed
+    alone (one row, one accumulator) and computed beside other companion rows. K is one and a half
+    steps of 256 (lanes past the edge idle in the second), N = 21 spans a full threadgroup of four
+    simdgroups and a partial one, and is not a multiple of the 4 columns a simdgroup writes."""
     mode, bits, group_size = form
-    seed = FORMS.index(form) * 10 + DTYPES.index(dtype)
-    rng = np.random.default_rng(seed)
-    step = 32 * (16 if bits == 4 else 8)
-    shapes = [(max(group_size, step + step // 2), 4 * 3 + 1),
-              (group_size * int(rng.integers(1, 3 * step // group_size)), int(rng.integers(1, 24)))]
-    metal = emulated()
-    for K, N in shapes:
-        x, w, scales, biases = layer(seed, K, N, mode, bits, group_size, dtype)
-        for M in range(1, 17):
-            got = run(metal, x[:M], w, scales, biases, mode, bits, group_size, rows=16)
-            assert got.shape == (M, N) and got.dtype == dtype
+    seed = FORMS.index(form) * 10 + (DTYPES + [mx.float32]).index(dtype)
+    K, N = max(group_size, 384), 21
+    x, w, scales, biases = layer(seed, K, N, mode, bits, group_size, dtype)
+    other, *_ = layer(seed + 100, K, N, mode, bits, group_size, dtype)
+    metals = [emulated(schedule=LOWEST_FIRST), emulated(schedule=HIGHEST_FIRST)]
+    alone = [exact(run(metals[r % 2], x[r : r + 1], w, scales, biases, mode, bits, group_size)[0]) for r in range(16)]
+    counts = range(1, 17) if form in SWEPT_FORMS else (5, 16)
+    for M in counts:
+        rows = None if form in SWEPT_FORMS else 16
+        got = run(metals[M % 2], x[:M], w, scales, biases, mode, bits, group_size, rows=rows)
+        assert got.shape == (M, N) and got.dtype == dtype
+        assert_matches_reference(got, x[:M], w, scales, biases, mode, bits, group_size)
+        for r, row in enumerate(exact(got)):
+            np.testing.assert_array_equal(row, alone[r], err_msg=f"row {r} of an {M}-row call")
+        mixed = mx.concatenate([other[: M - 1], x[M - 1 : M]])  # row M-1 beside other companions
+        np.testing.assert_array_equal(exact(run(metals[(M + 1) % 2], mixed, w, scales, biases, mode, bits, group_size,
+                                                rows=rows)[M - 1]), alone[M - 1])
+
+
+def test_free_running_threads_and_random_shapes():
+    """The threads of a threadgroup interleaved by the OS give the serial schedules' bits, on
+    random shapes (K a random number of groups, N from one column up)."""
+    rng = np.random.default_rng(3)
+    serial, free = emulated(schedule=LOWEST_FIRST), emulated(schedule=PARALLEL)
+    for mode, bits, group_size in SWEPT_FORMS:
+        K = group_size * int(rng.integers(1, 3 * 256 // group_size))
+        N = int(rng.integers(1, 40))
+        x, w, scales, biases = layer(int(rng.integers(1000)), K, N, mode, bits, group_size, mx.bfloat16)
+        for M in (1, 3, 8, 16):
+            got = run(free, x[:M], w, scales, biases, mode, bits, group_size)
             assert_matches_reference(got, x[:M], w, scales, biases, mode, bits, group_size)
-
-
-def test_every_accumulator_count_and_free_running_threads():
-    """M rounds up to 1, 2, 4, 8 or 16 accumulators; each bucket is right, with the threads of a
-    threadgroup interleaved by the OS as well as in the serial schedule."""
-    mode, bits, group_size = "affine", 4, 64
-    x, w, scales, biases = layer(3, 512, 9, mode, bits, group_size, mx.bfloat16)
-    for schedule in (LOWEST_FIRST, PARALLEL):
-        metal = emulated(schedule=schedule)
-        for M in (1, 2, 3, 5, 8, 11, 16):
-            assert_matches_reference(run(metal, x[:M], w, scales, biases, mode, bits, group_size),
-                                     x[:M], w, scales, biases, mode, bits, group_size)
-
-
-@pytest.mark.parametrize("form", [("affine", 4, 64), ("affine", 8, 32), ("mxfp4", 4, 32)], ids=lambda f: f"{f[0]}{f[1]}")
-def test_a_row_does_not_depend_on_the_other_rows(form):
-    """Row r of an M-row call equals, bit for bit, the same row computed alone and computed with
-    other companion rows, whatever accumulator count M rounds up to."""
-    mode, bits, group_size = form
-    dtype = mx.bfloat16 if bits == 4 else mx.float16
-    x, w, scales, biases = layer(11, 256, 10, mode, bits, group_size, dtype)
-    other, *_ = layer(12, 256, 10, mode, bits, group_size, dtype)
-    metal = emulated()
-    exact = lambda a: np.array(a.astype(mx.float32))  # noqa: E731 (widening is exact: equal iff the bits are)
-    alone = [exact(run(metal, x[r : r + 1], w, scales, biases, mode, bits, group_size)[0]) for r in range(16)]
-    for M in (2, 4, 7, 16):
-        rows = exact(run(metal, x[:M], w, scales, biases, mode, bits, group_size))
-        for r in range(M):
-            np.testing.assert_array_equal(rows[r], alone[r], err_msg=f"row {r} of an {M}-row call")
-        mixed = mx.concatenate([other[: M - 1], x[M - 1 : M]])  # row M-1 with different companions
-        last = exact(run(metal, mixed, w, scales, biases, mode, bits, group_size)[M - 1])
-        np.testing.assert_array_equal(last, alone[M - 1])
+            np.testing.assert_array_equal(exact(got), exact(run(serial, x[:M], w, scales, biases, mode, bits, group_size)))
 
 
 def test_shapes_the_kernel_has_no_form_for_are_refused_by_name():
@@ -109,32 +109,63 @@ def test_shapes_the_kernel_has_no_form_for_are_refused_by_name():
         quantized.quantized_verify_launch(mx.zeros((2, 96), mx.float16), w, scales, biases, 32, 4)
 
 
-# Mutants of the kernel: each must be caught by the reference comparison and by the self-check.
+# Mutants of the kernel: each must be caught by the reference comparison or the row-independence
+# comparison, under one of the two serial schedules, and by the self-check.
 MUTATIONS = {
-    "wrong scale (next group's)": ("scale[c] = static_cast<float>(scales[n * groups_per_column + group]);",
-                                   "scale[c] = static_cast<float>(scales[n * groups_per_column + (group + 1) % groups_per_column]);"),
-    "bias dropped": ("metal::fma(bias[c], x_sum, acc[m][c])", "acc[m][c]"),
+    "wrong scale (next group's)": ("scale = static_cast<float>(scales[n * groups_per_column + group]);",
+                                   "scale = static_cast<float>(scales[n * groups_per_column + (group + 1) % groups_per_column]);"),
+    "bias dropped": ("metal::fma(scale, static_cast<float>(q), bias)", "scale * static_cast<float>(q)"),
     "dropped reduction": ("const float total = simd_sum(acc[m][c]);", "const float total = acc[m][c];"),
-    "wrong row index (row 0's input for every row)": ("xs[i] = static_cast<float>(x[m * K + k0 + i]);",
-                                                      "xs[i] = static_cast<float>(x[k0 + i]);"),
+    "row 0's input staged for every row": ("static_cast<float>(x[r * K + k])", "static_cast<float>(x[k])"),
     "wrong output row": ("y[m * N + first + c]", "y[(M - 1 - m) * N + first + c]"),
-    "nibbles read in the wrong order": ("(packed[c][i] >> (j * bits)) & mask", "(packed[c][i] >> ((per_word - 1 - j) * bits)) & mask"),
+    "nibbles read in the wrong order": ("(packed >> (j * bits)) & mask", "(packed >> ((per_word - 1 - j) * bits)) & mask"),
+    "dropped barrier after staging x": ("  threadgroup_barrier(mem_flags::mem_threadgroup);\n\n  const int k0", "\n  const int k0"),
+    "dropped barrier before the next step's staging": (
+        "  threadgroup_barrier(mem_flags::mem_threadgroup);  // before the next step", "  // before the next step"),
+    "a summation order that depends on M": ("acc[m][c] = metal::fma(xr[i], wq[c][i], acc[m][c]);",
+                                            "acc[m][c] = metal::fma(xr[M > 1 ? run - 1 - i : i], wq[c][M > 1 ? run - 1 - i : i], acc[m][c]);"),
+    "e2m1 sign lost": ("e2m1[tid] = (tid & 8u) ? -magnitude : magnitude;", "e2m1[tid] = magnitude;"),
 }
+MUTANT_FORM = {"e2m1 sign lost": ("mxfp4", 4, 32)}
+
+
+def caught(sources, form, schedule) -> bool:
+    """The reference comparison, and the row-independence comparison on cancelling rows (each
+    output the rounding error of its own summation order: a 16-bit output shows an order change)."""
+    mode, bits, group_size = form
+    x, cancelling, w, scales, biases = quantized.cancelling_layer(4, 1024, 8, bits, group_size, mode, mx.float16, seed=5)
+    metal = emulated(sources, schedule)
+    try:
+        got = run(metal, x, w, scales, biases, mode, bits, group_size)
+        assert_matches_reference(got, x, w, scales, biases, mode, bits, group_size)
+        rows = run(metal, cancelling, w, scales, biases, mode, bits, group_size)
+        np.testing.assert_array_equal(exact(rows[-1]), exact(run(metal, cancelling[-1:], w, scales, biases, mode, bits,
+                                                                  group_size)[0]))
+    except AssertionError:
+        return True
+    return False
 
 
 @pytest.mark.parametrize("mutation", list(MUTATIONS), ids=list(MUTATIONS))
 def test_the_harness_catches_broken_kernels(mutation):
     sources = mutated_sources(quantized.KERNEL, *MUTATIONS[mutation])
-    mode, bits, group_size = "affine", 4, 32
+    form = MUTANT_FORM.get(mutation, ("affine", 4, 32))
+    assert caught(sources, form, LOWEST_FIRST) or caught(sources, form, HIGHEST_FIRST), f"{mutation} went unnoticed"
+    mode, bits, group_size = form
     x, w, scales, biases = layer(5, 1024, 8, mode, bits, group_size, mx.float16, M=4)
-    with pytest.raises(AssertionError):
-        assert_matches_reference(run(emulated(sources), x, w, scales, biases, mode, bits, group_size),
-                                 x, w, scales, biases, mode, bits, group_size)
-    template = quantized.quantized_verify_launch(x, w, scales, biases, group_size, bits, mode).template
-    checked = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST, sources))
-    with pytest.warns(RuntimeWarning, match="quantized_verify float16 Rows=4 bits=4 group_size=32 Mode=0 failed"):
-        assert not checked.usable(quantized.KERNEL, template, quantized._check_quantized)
-    assert kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST)).usable(quantized.KERNEL, template, quantized._check_quantized)
+    launch = quantized.quantized_verify_launch(x, w, scales, biases, group_size, bits, mode)
+    for schedule in (LOWEST_FIRST, HIGHEST_FIRST):
+        checked = kernels.MetalKernels(EmulatedMetal(schedule, sources))
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            if not checked.usable(launch, quantized._check_quantized):
+                message = str(warned[0].message)
+                assert f"quantized_verify float16 Rows=4 bits={bits} group_size={group_size} Mode={quantized.MODES[mode]}" \
+                    in message and "failed its self-check" in message
+                break
+    else:
+        raise AssertionError(f"the self-check passed {mutation}")
+    assert kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST)).usable(launch, quantized._check_quantized)
 
 
 def quantized_mlp(bits=4, group_size=32, dtype=mx.bfloat16, tie=False):
@@ -166,7 +197,7 @@ def test_routed_layers_use_the_kernel_only_where_chosen_and_keep_their_parameter
     after = {k: np.array(v.astype(mx.float32)) for k, v in nn.utils.tree_flatten(model.parameters()) if v is not None}
     assert before.keys() == after.keys() and all(np.array_equal(before[k], after[k]) for k in before)
     assert [layer_(x) for layer_ in model.layers][0].shape == (1, 3, 24) and not calls  # no choices: stock
-    matmuls.choices = {s: quantized.OURS for s in quantized.shapes_of([model], rows=[3])}
+    matmuls.choices = {s: quantized.OURS for s in quantized.shapes_of([model])}
     routed = [layer_(x) for layer_ in model.layers] + [model.embed.as_linear(x)]
     assert sorted(calls) == sorted([(3, 64, 24), (3, 64, 64), (3, 64, 40)])
     for got, want in zip(routed, stock):  # the bias of the second layer included
@@ -177,33 +208,98 @@ def test_routed_layers_use_the_kernel_only_where_chosen_and_keep_their_parameter
     assert quantized.route(model, None) == 3 and not quantized.routes_to_metal(model)
 
 
-def test_the_tuner_follows_measured_times_and_caches_them_per_device(tmp_path):
-    model = quantized_mlp()
-    shapes = quantized.shapes_of([model], rows=[1, 4])
-    assert {(s.K, s.N, s.rows) for s in shapes} == {(64, 24, 1), (64, 64, 1), (64, 40, 1), (64, 24, 4), (64, 64, 4), (64, 40, 4)}
-    metal = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST))
-    # A stand-in clock: the kernel is faster at M=4, stock at M=1 (the timed calls do run).
+def stand_in_clock(kernel_wins_overall):
+    """Timings that prefer stock at M = 1 and the kernel at M = 8, the sum over the timed row counts
+    going to the kernel (or, for the 24-column layer when ``kernel_wins_overall`` is False, to stock).
+    The timed calls do run, and every kernel launch is recorded."""
     def measure(which, fn):
         out = fn()
         mx.eval(out)
+        M, N = out.shape
         if which == quantized.STOCK:
+            return 1.0 if M == 1 else 4.0
+        if M == 1:
             return 2.0
-        return 1.0 if out.shape[0] == 4 else 3.0
+        return 4.5 if N == 24 and not kernel_wins_overall else 1.0
 
+    return measure
+
+
+def recording(metal):
+    launches = []
+    real_run = metal.run
+    metal.run = lambda launch: launches.append(launch) or real_run(launch)
+    return launches
+
+
+def test_one_implementation_per_layer_for_every_row_count(tmp_path):
+    """The tuner decides per shape for every row count at once: where stock is faster at M = 1 but
+    the kernel at M = 8 and over the timed row counts, a decode step (M = 1) and a verify block
+    (M = 8) of that layer both go through the kernel, and each verify row is bit for bit its decode
+    step; where stock wins overall, both run stock and the layer stays compiled. Timed on the
+    layers' own weights, choices cached per device."""
+    model = quantized_mlp()
+    layers = quantized.layers_of([model])
+    assert {(s.K, s.N) for s in layers} == {(64, 24), (64, 64), (64, 40)}
+    metal = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST))
+    launches = recording(metal)
+    timings = quantized.tune(metal, layers, stand_in_clock(kernel_wins_overall=False))
+    assert all(set(t.stock_s) == set(quantized.TUNED_ROWS) for t in timings)
+    assert {t.shape.N: t.choice for t in timings} == {24: quantized.STOCK, 64: quantized.OURS, 40: quantized.OURS}
+    assert {launch.inputs[1] is layers[t.shape]["weight"] for launch in launches for t in timings
+            if launch.inputs[6] == t.shape.N} == {True}  # the layer's own packed weights, not random ones
     cache = quantized.TuningCache(tmp_path / "tuning.json", "test-gpu")
-    timings = quantized.tune(metal, shapes, measure)
     cache.record(timings)
-    assert {t.shape.rows: t.choice for t in timings} == {1: quantized.STOCK, 4: quantized.OURS}
-    stored = json.loads((tmp_path / "tuning.json").read_text())
-    assert set(stored) == {"test-gpu"} and len(stored["test-gpu"]) == 6
     again = quantized.TuningCache(tmp_path / "tuning.json", "test-gpu")
-    assert again.missing(shapes) == [] and again.choices() == {t.shape: t.choice for t in timings}
-    assert quantized.TuningCache(tmp_path / "tuning.json", "another-gpu").missing(shapes) == shapes
+    assert again.missing(layers) == [] and again.choices() == {t.shape: t.choice for t in timings}
+    assert quantized.TuningCache(tmp_path / "tuning.json", "another-gpu").missing(layers) == list(layers)
+
+    matmuls = quantized.QuantizedMatmuls(metal, again.choices())
+    quantized.route(model, matmuls)
+    x = mx.random.normal((8, 64), key=mx.random.key(1)).astype(mx.bfloat16)
+    for layer_, n, through_kernel in ((model.layers[1], 64, True), (model.layers[0], 24, False)):
+        launches.clear()
+        decode = [exact(layer_(x[r : r + 1])) for r in range(8)]
+        verify = exact(layer_(x))
+        rows = sorted({launch.inputs[4] for launch in launches if launch.inputs[6] == n})
+        assert rows == ([1, 8] if through_kernel else [])
+        if through_kernel:  # stock's qmv and qmv_wide/qmm may round differently; the kernel may not
+            for r in range(8):
+                np.testing.assert_array_equal(verify[r], decode[r][0], err_msg=f"row {r}")
+    assert quantized.routes_to_metal(model.layers[1]) and not quantized.routes_to_metal(model.layers[0])
     lines = quantized.render_timings(timings)
-    assert "choice" in lines[0] and any(line.endswith("kernel") for line in lines[1:])
-    # The real clock on one shape: a positive time for each side.
-    (real,) = quantized.tune(metal, shapes[:1], lambda which, fn: quantized.wall_time(which, fn, repeats=2, warmup=1))
-    assert real.stock_s > 0 and real.kernel_s > 0
+    assert "M=8 stock/kernel" in lines[0] and any(line.endswith("kernel") for line in lines[1:])
+
+
+def test_a_form_failing_a_self_check_at_one_row_count_runs_stock_at_every_row_count():
+    """A kernel broken only in its 16-accumulator form: a layer that chose the kernel runs stock at
+    M = 1 too (the decode step may not take the kernel while the verify block takes stock)."""
+    broken = mutated_sources(quantized.KERNEL, "acc[m][c] = metal::fma(xr[i], wq[c][i], acc[m][c]);",
+                             "acc[m][c] = metal::fma(xr[i], Rows == 16 ? 0.0f : wq[c][i], acc[m][c]);")
+    model = quantized_mlp()
+    x = mx.random.normal((1, 64), key=mx.random.key(2)).astype(mx.bfloat16)
+    stock = exact(model.layers[0](x))
+    matmuls = quantized.QuantizedMatmuls(kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST, broken)),
+                                         {s: quantized.OURS for s in quantized.shapes_of([model])})
+    quantized.route(model, matmuls)
+    with pytest.warns(RuntimeWarning, match="Rows=16 .* failed its self-check"):
+        np.testing.assert_array_equal(exact(model.layers[0](x)), stock)
+    assert [v == "ok" for k, v in matmuls.metal.report().items()] == [True, True, True, True, False]
+
+
+def test_the_tuner_needs_its_margin_and_times_batches_of_calls():
+    model = quantized_mlp()
+    layers = quantized.layers_of([model])
+    metal = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST))
+    close = lambda which, fn: mx.eval(fn()) or (0.97 if which == quantized.OURS else 1.0)  # noqa: E731
+    assert {t.choice for t in quantized.tune(metal, layers, close)} == {quantized.STOCK}  # 3% is noise
+    calls = []
+    counted = lambda: calls.append(1) or mx.zeros((1,))  # noqa: E731
+    assert quantized.batch_time(quantized.STOCK, counted, calls=4, repeats=3, warmup=1) > 0 and len(calls) == 1 + 4 * 3
+    # The real clock on one shape: a positive time for each side at each timed row count.
+    (real,) = quantized.tune(metal, dict(list(layers.items())[:1]),
+                             lambda which, fn: quantized.batch_time(which, fn, calls=2, repeats=1, warmup=1))
+    assert min(real.stock_s.values()) > 0 and min(real.kernel_s.values()) > 0
 
 
 def test_the_traffic_model_follows_mlx_dispatch_rules():
@@ -227,6 +323,53 @@ def test_the_traffic_model_follows_mlx_dispatch_rules():
     assert any(line.startswith("| M3/M4 | 8 | qmv_wide x2") for line in traffic.tables())
 
 
+def test_the_cost_model_counts_bytes_and_arithmetic():
+    """Our kernel's operations per weight are the counts of docs/kernels.md; a 9B pass through it
+    is bound by bytes at 1 row and by arithmetic at 16 on every GPU listed (no fma kernel keeps up
+    at 16 rows), by bytes at 4 rows on an M3 Pro (21.5 operations per byte) but not on an M4 Max (14.8); stock's 16-row qmm costs about 3-4 decode steps on an M3 Pro (public
+    per-op timings: 3.9-4.5x); and the modelled cycle grows with the block, ours below stock."""
+    from dflash_mlx import traffic
+
+    assert [round(traffic.ops_per_weight("ours", M) / M, 2) for M in (1, 2, 4, 8, 16)] == [6.06, 3.75, 2.59, 2.02, 1.73]
+    c, m3 = traffic.QWEN35_9B, traffic.gpu_named("M3 Pro")
+    for gpu in traffic.GPUS:
+        assert traffic.bound_by(c, 1, gpu, ours=True) == 0.0 and traffic.bound_by(c, 16, gpu, ours=True) > 0.9
+        assert traffic.bound_by(c, 1, gpu, ours=False) == 0.0
+    assert traffic.bound_by(c, 4, m3, ours=True) == 0.0 and traffic.bound_by(c, 4, traffic.gpu_named("M4 Max"), ours=True) > 0.9
+    qmm16 = traffic.pass_seconds(c, 16, m3, ours=False) / traffic.pass_seconds(c, 1, m3, ours=False)
+    assert 2.5 < qmm16 < 4.5
+    draft = traffic.draft_matmuls(*traffic.DRAFTS["9B"])
+    for gpu in traffic.GPUS:
+        ours = [traffic.cycle_steps(c, b, gpu, True, draft) for b in traffic.BLOCKS]
+        stock = [traffic.cycle_steps(c, b, gpu, False, draft) for b in traffic.BLOCKS]
+        assert ours == sorted(ours) and all(o <= s + 1e-9 for o, s in zip(ours, stock)) and ours[0] > 1.0
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert all(line in readme for line in traffic.summary())  # the README's numbers are the model's
+    lines = traffic.cost_tables()
+    assert any(line.startswith("| M3 Pro | ours | 1.00 |") for line in lines)
+    assert sum(line.startswith(("| M1 |", "| M3 Pro |", "| M4 Max |")) for line in lines) == 2 * 2 * 3 + 3
+
+
+def test_auto_starts_from_the_cost_model_on_a_mac(tmp_path, monkeypatch):
+    """``load`` gives auto the modelled cycle costs of the loaded pair on this GPU (a decode step
+    first, costs growing with the block); none off Apple GPUs."""
+    from dflash_mlx import api, device, traffic
+
+    monkeypatch.setenv("DFLASH_MLX_HOME", str(tmp_path))
+    model, _ = api.load("demo", draft_quant="w4", matmuls=None)
+    assert model.block_stats.costs.prior is None  # this machine: no Apple GPU
+    m3 = device.DeviceFacts("Apple M3 Pro", "applegpu_g15s", True, 15, None, None)
+    assert traffic.gpu_of(m3).name == "M3 Pro" and traffic.gpu_of(device.DeviceFacts("Apple M4", "applegpu_g16g", True, 16,
+                                                                                       None, None)).generation == 16
+    prior = traffic.auto_prior(model, m3)
+    assert len(prior) == 16 and prior[0] == pytest.approx(1.0) and prior[1] > 1.0
+    monkeypatch.setattr(traffic, "auto_prior", lambda m, facts=None: prior)
+    again, _ = api.load("demo", draft_quant="w4", matmuls=None)
+    assert again.block_stats.costs.prior == prior and again.block_stats.costs.predict(1, 16) == prior
+
+
 def test_load_routes_the_pair_through_the_cached_choices(tmp_path, monkeypatch):
     """``load(..., matmuls=...)`` as on a Mac, with this device's cache already holding every shape
     of the demo pair's w4 draft (the kernel measured faster): the draft's passes run the kernel, the
@@ -237,11 +380,15 @@ def test_load_routes_the_pair_through_the_cached_choices(tmp_path, monkeypatch):
     plain, tokenizer = api.load("demo", draft_quant="w4", matmuls=None)
     assert plain.matmuls is None and not quantized.routes_to_metal(plain.draft)
     cache = quantized.TuningCache.for_this_device()
-    cache.record([quantized.Timing(s, 2.0, 1.0) for s in quantized.shapes_of([plain.target, plain.draft])])
+    cache.record([quantized.Timing(s, {1: 2.0}, {1: 1.0}) for s in quantized.shapes_of([plain.target, plain.draft])])
     metal = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST))
     routed, _ = api.load("demo", draft_quant="w4", matmuls=quantized.QuantizedMatmuls(metal))
     assert quantized.routes_to_metal(routed.draft) and all(layer.eager for layer in routed.draft.layers)
     assert set(routed.matmuls.choices.values()) == {quantized.OURS}
+    where_stock_won = quantized.QuantizedMatmuls(metal, {s: quantized.STOCK for s in routed.matmuls.choices})
+    quantized.route_layers(plain.draft, plain.draft.layers, where_stock_won)
+    assert not any(layer.eager for layer in plain.draft.layers)  # compiled: nothing of theirs runs the kernel
+    quantized.route_layers(plain.draft, plain.draft.layers, None)
     prompt = "def fib(n):"
     texts = [api.generate(m, tokenizer, prompt, max_tokens=12, block_tokens=4) for m in (plain, routed)]
     assert texts[0] == texts[1]

@@ -99,7 +99,8 @@ def _template_value(value) -> str:
 class GeneratedKernel:
     """MLX's generated source for one call, and the C++ launcher that runs it."""
 
-    def __init__(self, name, input_names, output_names, source, header, inputs, output_dtypes, template):
+    def __init__(self, name, input_names, output_names, source, header, inputs, output_dtypes, template,
+                 typed_names: bool = True):
         self.parameters: List[tuple] = []  # (C++ type, how the launcher passes it, buffer kind)
         template = list(template or [])
         kernel_name = "custom_kernel_" + name
@@ -107,10 +108,11 @@ class GeneratedKernel:
         if template:
             template_def = "<" + ", ".join(_template_value(v) for _, v in template) + ">"
             kernel_name += "_" + re.sub(r"[<>]|, ", "_", template_def)[:-1]  # MLX's make_template_hash: pop_back
-        for arr in inputs:
-            kernel_name += "_" + TYPE_STRINGS[arr.dtype][0] + ("s" if arr.ndim == 0 else "c" if arr.size < MAX_CONSTANT_ARRAY_SIZE else "")
-        for dtype in output_dtypes:
-            kernel_name += "_" + TYPE_STRINGS[dtype][0]
+        if typed_names:  # MLX 0.32 on; 0.30 and 0.31 name a source by its name and template only
+            for arr in inputs:
+                kernel_name += "_" + TYPE_STRINGS[arr.dtype][0] + ("s" if arr.ndim == 0 else "c" if arr.size < MAX_CONSTANT_ARRAY_SIZE else "")
+            for dtype in output_dtypes:
+                kernel_name += "_" + TYPE_STRINGS[dtype][0]
         self.kernel_name = kernel_name
 
         lines = []
@@ -256,7 +258,8 @@ class EmulatedKernel:
             raise ValueError("[metal_kernel] Must specify at least one output.")
         self.factory, self.name, self.header = factory, name, header
         self.input_names, self.output_names = list(input_names), list(output_names)
-        self.source = factory.sources.get(name, source)
+        # Mutants are keyed by the kernel's own name (kernels.kernel_name appends the call signature).
+        self.source = factory.sources.get(name, factory.sources.get(name.split("__")[0], source))
 
     def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None, init_value=None,
                  verbose=False, stream=None):
@@ -266,7 +269,13 @@ class EmulatedKernel:
                 raise ValueError(f"[metal_kernel] Expected `{what}` to have size {len(names)} but got size {len(given)}.")
         arrays = [to_array(x) for x in inputs]
         generated = GeneratedKernel(self.name, self.input_names, self.output_names, self.source, self.header, arrays,
-                                    output_dtypes, template)
+                                    output_dtypes, template, typed_names=self.factory.mlx_version >= (0, 32))
+        # MLX's library cache (custom_kernel.cpp): one library per kernel name; a name whose source
+        # changed is cleared and built again.
+        cached = self.factory.libraries.get(generated.kernel_name)
+        if cached is not None and cached != generated.metal_source:
+            self.factory.rebuilds += 1
+        self.factory.libraries[generated.kernel_name] = generated.metal_source
         if verbose:
             print(f"Generated source code for `{self.name}`:\n```\n{generated.metal_source}\n```")
         library = build(generated.translation_unit())
@@ -307,11 +316,16 @@ class EmulatedKernel:
 
 class EmulatedMetal:
     """Stand-in for ``mx.fast.metal_kernel``; ``sources`` replaces kernel bodies by name (mutants),
-    ``schedule`` picks how a threadgroup's threads interleave (see ``metal_shim.h``)."""
+    ``schedule`` picks how a threadgroup's threads interleave (see ``metal_shim.h``),
+    ``mlx_version`` how generated kernels are named (``rebuilds`` counts the libraries MLX's cache
+    would clear and build again because one name stood for another source)."""
 
-    def __init__(self, schedule: int = PARALLEL, sources: Optional[Dict[str, str]] = None):
+    def __init__(self, schedule: int = PARALLEL, sources: Optional[Dict[str, str]] = None, mlx_version=(0, 32)):
         self.schedule = schedule
         self.sources = dict(sources or {})
+        self.mlx_version = tuple(mlx_version)
+        self.libraries: Dict[str, str] = {}
+        self.rebuilds = 0
 
     def __call__(self, name: str, input_names: Sequence[str], output_names: Sequence[str], source: str, header: str = "",
                  ensure_row_contiguous: bool = True, atomic_outputs: bool = False) -> EmulatedKernel:
