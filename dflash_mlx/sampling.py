@@ -52,10 +52,10 @@ class Sampler:
     top-k (on when ``top_k > 0``), each on the previous one's output exactly as mlx-lm's
     ``apply_top_p`` / ``apply_min_p`` / ``apply_top_k``, and the survivors are sampled from
     ``softmax(logprobs / temperature)``. Differences from mlx-lm, all outside what it defines:
-    ``top_k`` at or above the vocabulary keeps everything (mlx-lm raises), ``min_tokens_to_keep``
-    above the vocabulary keeps everything, and out-of-range settings are refused here, at
-    construction, naming the value (mlx-lm ignores some, e.g. ``top_p`` 1.5, and raises for
-    others at the first draw).
+    ``top_k`` at or above the vocabulary keeps every token, as does ``min_tokens_to_keep`` above
+    it (mlx-lm raises for both), and out-of-range settings are refused here, at construction,
+    naming the value (mlx-lm ignores some, e.g. ``top_p`` 1.5, and raises for others at the first
+    draw).
 
     Only ``temperature`` may be given by position; the rest are keywords (the field order is
     mlx-lm's argument order). The generator is a new one from OS entropy unless given;
