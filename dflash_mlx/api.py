@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -361,6 +360,9 @@ def stream_generate(
     costs and acceptance, down to 1 (plain decoding) when drafting does not pay; ``"auto:N"``
     caps it at N; an integer N drafts exactly N tokens per cycle (1: the target alone). A sampled
     request with a ``seed`` drafts whole blocks (N, or the cap), so that it is reproducible.
+    Sampling (``temp`` > 0, or ``sampler``) follows mlx-lm's ``make_sampler``: see ``Sampler``.
+    Each request draws from its own generator, seeded by ``seed`` (or OS entropy when None);
+    MLX's global generator is neither used nor advanced.
     ``prompt_cache`` (a ``PromptCache``, or a ``PromptCachePool`` of several) keeps the caches
     between calls: a prompt that shares a prefix with an earlier one (the next chat turn, the
     same file context) only prefills the rest; ``checkpoint_at`` lists prompt positions worth a
@@ -379,13 +381,12 @@ def stream_generate(
             model.pipeline.take_part(partial(_run_request, model))
         return
     if sampler is None:
-        sampler = Sampler(temp, top_p, top_k, min_p)
+        sampler = Sampler(temp, top_p=top_p, top_k=top_k, min_p=min_p)
     elif not isinstance(sampler, Sampler):
         raise TypeError("sampler must be a dflash_mlx.Sampler: rejection sampling needs its probabilities")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-    if seed is not None:
-        mx.random.seed(seed)
+    sampler = sampler.for_request(seed)  # the request's own generator: MLX's global one is never touched
     ids = encode_prompt(tokenizer, prompt, enable_thinking)
     if model.pipeline is not None:
         if prompt_cache is not None:
@@ -393,7 +394,7 @@ def stream_generate(
         if use_draft:  # checked here, before the request leaves
             BlockTokens.parse(block_tokens).cap(model.pipeline.draft_block_size)
         request = {"prompt": ids.tolist(), "max_tokens": max_tokens, "block_tokens": block_tokens,
-                   "sampler": dataclasses.asdict(sampler), "seed": seed, "use_draft": use_draft,
+                   "sampler": sampler.settings(), "seed": seed, "use_draft": use_draft,
                    "prefill_step_size": prefill_step_size, "stop_tokens": sorted(tokenizer.eos_token_ids)}
         steps = model.pipeline.drive(request, cancelled)
         try:
@@ -439,10 +440,8 @@ def stream_generate(
 
 def _run_request(model: DFlashModel, request: Dict[str, Any], target: PipelinedTarget):
     """The last rank's decode loop for a request from rank 0, exactly as one process runs it."""
-    sampler = Sampler(**request["sampler"])
     seed = request["seed"]
-    if seed is not None:
-        mx.random.seed(seed)
+    sampler = Sampler(**request["sampler"]).for_request(seed)
     draft, chooser = _drafting(model, sampler, BlockTokens.parse(request["block_tokens"]), request["use_draft"], seed)
     prompt, stop_tokens = mx.array(request["prompt"]), set(request["stop_tokens"])
     step, max_tokens = request["prefill_step_size"], request["max_tokens"]

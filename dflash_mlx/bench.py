@@ -124,6 +124,18 @@ def load_mlx_lm(target_path: Path):
     return model
 
 
+def mlx_lm_sampler_arguments(sampling: Dict) -> Dict:
+    """Our sampling arguments (``stream_generate``'s ``temp``, ``top_p``, ``top_k``, ``min_p``) as
+    mlx-lm's ``make_sampler`` keywords: the same distribution (``Sampler`` follows ``make_sampler``,
+    "off" values included: top_p 0 or 1, top_k 0, min_p 0)."""
+    from .sampling import Sampler
+
+    ours = Sampler(sampling.get("temp", 0.0), top_p=sampling.get("top_p", 1.0), top_k=sampling.get("top_k", 0),
+                   min_p=sampling.get("min_p", 0.0))
+    return dict(temp=ours.temperature, top_p=ours.top_p, min_p=ours.min_p, min_tokens_to_keep=ours.min_tokens_to_keep,
+                top_k=ours.top_k)
+
+
 def measure_mlx_lm(model, tokenizer, prompt, max_tokens: int, chat: bool, sampling=None) -> Run:
     """One run of ``mlx_lm.stream_generate`` on the same prompt tokens and sampling."""
     import mlx.core as mx
@@ -132,8 +144,8 @@ def measure_mlx_lm(model, tokenizer, prompt, max_tokens: int, chat: bool, sampli
 
     sampling = dict(sampling or {})
     if sampling.get("seed") is not None:
-        mx.random.seed(sampling["seed"])
-    sampler = make_sampler(sampling.get("temp", 0.0), sampling.get("top_p", 1.0), top_k=sampling.get("top_k", 0))
+        mx.random.seed(sampling["seed"])  # mlx-lm draws from the global generator: that is its API
+    sampler = make_sampler(**mlx_lm_sampler_arguments(sampling))
     ids = encode_prompt(tokenizer, [{"role": "user", "content": prompt}] if chat else prompt).tolist()
     tokens, last = [], None
     for last in mlx_lm_stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=sampler):

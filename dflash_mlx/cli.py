@@ -44,8 +44,9 @@ DraftQuant = Annotated[str, typer.Option("--draft-quant", help="Quantize the dra
 BlockTokens = Annotated[str, typer.Option("--block-tokens", "-b", help="Tokens per draft block: 'auto' (default) picks each cycle's size from the measured cost of a cycle and the draft's acceptance, down to 1 (plain decoding) when drafting does not pay; 'auto:N' caps it at N; N drafts exactly N every cycle (1 .. the draft's block size; 1 = the target alone).")]
 MaxTokens = Annotated[int, typer.Option("--max-tokens", help="Stop an answer after this many tokens.")]
 Temp = Annotated[float, typer.Option("--temp", help="Sampling temperature; 0 is greedy.")]
-TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass (1.0 = off).")]
+TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling: keep the most likely tokens until their mass reaches this, in [0, 1] (1.0 or 0 = off). Filters apply in mlx-lm's order (top-p, min-p, top-k) to the untempered distribution; the temperature comes last.")]
 TopK = Annotated[int, typer.Option("--top-k", help="Keep only the k most likely tokens (0 = off).")]
+MinP = Annotated[float, typer.Option("--min-p", help="Drop tokens below min_p times the top probability, in [0, 1] (0 = off).")]
 Seed = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling.")]
 Think = Annotated[bool, typer.Option("--think/--no-think", help="Thinking mode of the chat template (Qwen3.5 enable_thinking).")]
 
@@ -130,14 +131,15 @@ def _check_block_tokens(loaded, block_tokens: str):
     return setting
 
 
-def _sampling(temp: float, top_p: float, top_k: int, seed: Optional[int]) -> dict:
+def _sampling(temp: float, top_p: float, top_k: int, seed: Optional[int], min_p: float = 0.0) -> dict:
+    """The sampling flags as ``stream_generate`` arguments (mlx-lm's ``make_sampler`` semantics)."""
     from .sampling import Sampler
 
     try:
-        Sampler(temperature=temp, top_p=top_p, top_k=top_k)
+        Sampler(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     except ValueError as e:
         _fail(str(e))
-    return dict(temp=temp, top_p=top_p, top_k=top_k, seed=seed)
+    return dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
 
 
 class LogLevel(str, Enum):
@@ -192,6 +194,7 @@ def chat(
     temp: Temp = 0.0,
     top_p: TopP = 1.0,
     top_k: TopK = 0,
+    min_p: MinP = 0.0,
     seed: Seed = None,
     system: Annotated[Optional[str], typer.Option("--system", help="System prompt.")] = None,
     think: Think = False,
@@ -199,7 +202,7 @@ def chat(
     """Chat in the terminal; answers stream as they are committed. /help lists the commands."""
     from .chat import ChatSession, run_chat
 
-    sampling = _sampling(temp, top_p, top_k, seed)
+    sampling = _sampling(temp, top_p, top_k, seed, min_p)
     loaded, tokenizer = _load(model, draft, draft_quant, pipelined=False)
     _check_block_tokens((loaded, tokenizer), block_tokens)
     generation = dict(max_tokens=max_tokens, block_tokens=block_tokens, **sampling)
@@ -219,7 +222,7 @@ def generate(
     top_p: TopP = 1.0,
     top_k: TopK = 0,
     seed: Seed = None,
-    min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens below min_p times the top probability (0 = off).")] = 0.0,
+    min_p: MinP = 0.0,
     stop: Annotated[Optional[List[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
     system: Annotated[Optional[str], typer.Option("--system", help="System prompt (with the chat template).")] = None,
     think: Think = False,
@@ -229,18 +232,18 @@ def generate(
     peer_timeout: PeerTimeout = 30.0,
 ) -> None:
     """Generate one completion: text to stdout, statistics to stderr."""
-    sampling = _sampling(temp, top_p, top_k, seed)
+    sampling = _sampling(temp, top_p, top_k, seed, min_p)
     loaded, tokenizer = _load(model, draft, draft_quant, stages, peer_timeout)
     with _ranks(loaded):
         if prompt is None and loaded.pipeline is not None:
             _fail("give the prompt with --prompt: mlx.launch does not forward standard input")
         if prompt is None:  # a file or `echo` ends with a newline that is not part of the request
             prompt = sys.stdin.read().removesuffix("\n")
-        _generate(loaded, tokenizer, prompt, block_tokens, max_tokens, sampling, min_p, stop, system, think,
+        _generate(loaded, tokenizer, prompt, block_tokens, max_tokens, sampling, stop, system, think,
                   chat_template, as_json)
 
 
-def _generate(loaded, tokenizer, prompt, block_tokens, max_tokens, sampling, min_p, stop, system, think,
+def _generate(loaded, tokenizer, prompt, block_tokens, max_tokens, sampling, stop, system, think,
               chat_template, as_json) -> None:
     from . import api
     from .block_policy import describe
@@ -252,7 +255,7 @@ def _generate(loaded, tokenizer, prompt, block_tokens, max_tokens, sampling, min
     text, tokens, last = "", [], None
     try:
         for last in api.stream_generate(
-            loaded, tokenizer, request, max_tokens=max_tokens, block_tokens=block_tokens, min_p=min_p,
+            loaded, tokenizer, request, max_tokens=max_tokens, block_tokens=block_tokens,
             stop=stop, enable_thinking=think, **sampling,
         ):
             text += last.text
@@ -289,6 +292,7 @@ def bench(
     temp: Temp = 0.0,
     top_p: TopP = 1.0,
     top_k: TopK = 0,
+    min_p: MinP = 0.0,
     seed: Seed = None,
     suite: Annotated[List[str], typer.Option("--suite", "-s", help="Built-in workload(s): edit (the answer copies the prompt), code (fresh code), prose. Repeatable.")] = ["edit", "code", "prose"],
     prompt_file: Annotated[Optional[Path], typer.Option("--prompt-file", help="Extra workload 'file': a text file (one prompt) or .jsonl ({\"prompt\": ...} per line).")] = None,
@@ -310,7 +314,7 @@ def bench(
     """
     from . import bench as bench_lib
 
-    sampling = _sampling(temp, top_p, top_k, seed)
+    sampling = _sampling(temp, top_p, top_k, seed, min_p)
     unknown = [s for s in suite if s not in bench_lib.SUITES]
     if unknown:
         _fail(f"unknown suite {unknown[0]!r}: choose from {', '.join(bench_lib.SUITES)}")

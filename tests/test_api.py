@@ -160,9 +160,17 @@ def test_auto_is_the_default_and_lossless(pair, monkeypatch):
 
 
 def test_seeded_sampling_is_reproducible(pair):
+    """Each request draws from its own generator: a seeded one neither uses nor advances MLX's
+    global generator, and gives the same text after an unseeded request and other global draws."""
     model, tokenizer = pair
+    mx.random.seed(0)
+    following = mx.random.uniform(shape=(4,)).tolist()
+    mx.random.seed(0)
     a = generate(model, tokenizer, "def", max_tokens=20, temp=0.9, top_p=0.95, seed=3)
-    b = generate(model, tokenizer, "def", max_tokens=20, sampler=Sampler(temperature=0.9, top_p=0.95), seed=3)
+    assert mx.random.uniform(shape=(4,)).tolist() == following, "a request drew from the global generator"
+    generate(model, tokenizer, "def", max_tokens=20, temp=0.9, top_p=0.95)  # unseeded, in between
+    mx.random.seed(11)
+    b = generate(model, tokenizer, "def", max_tokens=20, sampler=Sampler(0.9, top_p=0.95), seed=3)
     assert a == b
     # ...and it does sample: other seeds give other texts, not the greedy one every time.
     others = {generate(model, tokenizer, "def", max_tokens=20, temp=0.9, top_p=0.95, seed=s) for s in (4, 5, 6)}

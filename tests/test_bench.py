@@ -90,3 +90,24 @@ def test_bench_reports_greedy_divergences_and_fails_only_off_a_near_tie():
     assert d.position == 1 and not d.near_tie
     assert not bench.first_divergence([1], [2, 3], [2], scripted_logits).near_tie  # DFlash stopped early
     assert bench.first_divergence([1], [2, 3], [2, 3], scripted_logits) is None
+
+
+def test_the_mlx_lm_column_samples_the_same_distribution():
+    """The bench's sampling flags, as our ``stream_generate`` takes them and as mlx-lm's
+    ``make_sampler`` gets them: the same distribution (mlx-lm's own filter chain, its draw captured)."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.sample_utils import greedy_sampler, make_sampler
+
+    from dflash_mlx.bench import mlx_lm_sampler_arguments
+    from dflash_mlx.sampling import Sampler
+    from tests.test_sampling import mlx_lm_probs
+
+    rows = mx.array(np.random.default_rng(1).standard_normal((3, 40)).astype(np.float32) * 2)
+    for sampling in (dict(temp=0.7), dict(temp=0.7, top_p=1.0, top_k=0, min_p=0.0), dict(temp=1.3, top_p=0.9, top_k=5),
+                     dict(temp=0.5, top_p=0.8, min_p=0.1), dict(temp=1.0, top_p=0.95, top_k=8, min_p=0.05, seed=3)):
+        ours = Sampler(sampling["temp"], top_p=sampling.get("top_p", 1.0), top_k=sampling.get("top_k", 0),
+                       min_p=sampling.get("min_p", 0.0))  # as stream_generate builds it from the same arguments
+        theirs = mlx_lm_probs(rows, **mlx_lm_sampler_arguments(sampling))
+        np.testing.assert_allclose(np.array(ours.probs(rows)), theirs, atol=2e-6, err_msg=str(sampling))
+    assert make_sampler(**mlx_lm_sampler_arguments(dict(temp=0.0, top_p=0.9))) is greedy_sampler

@@ -209,6 +209,8 @@ def test_error_paths_are_one_clear_line(pair, tmp_path, command):
         (["-m", str(target), "-d", str(draft), "--draft-quant", "w9"], "bad quantization 'w9'"),
         (["-m", str(target), "-d", str(draft), "-b", "99"], "--block-tokens '99': more than the draft's block size 16"),
         (["-m", str(target), "-d", str(draft), "-b", "auto:x"], "--block-tokens 'auto:x': expected an integer, 'auto' or 'auto:N'"),
+        (["-m", str(target), "--temp", "0.7", "--top-p", "1.5"], "top_p must be in [0, 1] (0 or 1 = off), got 1.5"),
+        (["-m", str(target), "--min-p", "2"], "min_p must be in [0, 1] (0 = off), got 2.0"),
     ]
     for args, message in cases:  # in this process (the exit status and stderr are the CLI's own): fast
         done = in_process(command, *args, *extra, input="")

@@ -1,6 +1,13 @@
-"""Sampled speculative decoding follows the target's own distribution (and a biased rule is caught)."""
+"""Sampled speculative decoding follows the target's own distribution (and a biased rule is caught).
+
+The expected distributions come from mlx-lm's own sampler (``mlx_lm_probs``), never from the
+``Sampler`` under test."""
 
 from __future__ import annotations
+
+import inspect
+import itertools
+from contextlib import contextmanager
 
 import mlx.core as mx
 import numpy as np
@@ -10,7 +17,7 @@ from scipy.stats import chisquare
 from dflash_mlx import sampling
 from dflash_mlx import speculative as loop
 from dflash_mlx.loading import load_target
-from dflash_mlx.sampling import Sampler
+from dflash_mlx.sampling import Sampler, make_sampler
 from tests.conftest import make_draft, make_hf_target
 
 V = 8  # small vocabulary: the joint distribution of two tokens has 64 cells
@@ -26,20 +33,58 @@ def small_pair(tmp_path_factory):
     return target, draft
 
 
+@contextmanager
+def _captured_draw():
+    """mlx-lm's sampler with its final draw replaced by a record of what it would draw from."""
+    from mlx_lm import sample_utils
+
+    seen, real = {}, sample_utils.categorical_sampling
+
+    def record(logits, temp):
+        seen["logits"], seen["temp"] = logits, temp
+        return mx.zeros(logits.shape[:-1], dtype=mx.uint32)
+
+    sample_utils.categorical_sampling = record
+    try:
+        yield seen
+    finally:
+        sample_utils.categorical_sampling = real
+
+
+def mlx_lm_probs(logits, **arguments) -> np.ndarray:
+    """The distribution mlx-lm's ``make_sampler(**arguments)`` draws from for ``logits`` [..., V]:
+    its own filter chain on the log-probs its ``generate_step`` passes (float32 here), and the
+    ``categorical_sampling`` it ends with (``categorical(logits * (1 / temp))``) read as a softmax."""
+    from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
+
+    x = mx.array(logits).astype(mx.float32)
+    logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    with _captured_draw() as seen:
+        mlx_lm_make_sampler(**arguments)(logprobs)
+    return np.array(mx.softmax(seen["logits"] * (1.0 / seen["temp"]), axis=-1), dtype=np.float64)
+
+
+def reference_probs(sampler: Sampler, logits) -> np.ndarray:
+    """mlx-lm's distribution for a sampler's settings (written out here, not taken from ``sampling``)."""
+    return mlx_lm_probs(logits, temp=sampler.temperature, top_p=sampler.top_p, min_p=sampler.min_p,
+                        min_tokens_to_keep=sampler.min_tokens_to_keep, top_k=sampler.top_k)
+
+
 def exact_joint(target, sampler):
     """P(t2, t3) under target-only sampling: the target samples t1, then t2, t3."""
-    p1 = np.array(sampler.probs(target(PROMPT[None])[0, -1]))
+    p1 = reference_probs(sampler, target(PROMPT[None])[0, -1])
     seqs = np.array([[*PROMPT.tolist(), a] for a in range(V)])
-    p2 = np.array(sampler.probs(target(mx.array(seqs))[:, -1]))  # [t1, t2]
+    p2 = reference_probs(sampler, target(mx.array(seqs))[:, -1])  # [t1, t2]
     seqs3 = np.array([[*PROMPT.tolist(), a, b] for a in range(V) for b in range(V)])
-    p3 = np.array(sampler.probs(target(mx.array(seqs3))[:, -1])).reshape(V, V, V)  # [t1, t2, t3]
+    p3 = reference_probs(sampler, target(mx.array(seqs3))[:, -1]).reshape(V, V, V)  # [t1, t2, t3]
     return np.einsum("a,ab,abc->bc", p1, p2, p3)
 
 
 def sampled_joint(target, draft, sampler, seed, blocks=lambda: 4, samples=SAMPLES):
     """``blocks()`` gives each sample's block setting: a size or a fresh chooser. Path tests (another
-    dtype, another backend, another target) take fewer samples than the rule's own tests."""
-    mx.random.seed(seed)
+    dtype, another backend, another target) take fewer samples than the rule's own tests. The
+    samples draw from one generator seeded with ``seed``."""
+    sampler = sampler.for_request(seed)
     counts = np.zeros((V, V))
     for _ in range(samples):
         tokens = []
@@ -117,8 +162,8 @@ def biased_accept(target_logits, drafted, draft_probs, sampler):
     p = sampler.probs(target_logits)
     p_d = mx.take_along_axis(p[:n], drafted[:, None], axis=-1)[:, 0]
     q_d = mx.take_along_axis(draft_probs, drafted[:, None], axis=-1)[:, 0]
-    accepted = mx.cumprod((mx.random.uniform(shape=(n,)) * q_d < p_d).astype(mx.int32)).sum()
-    return accepted, sampling.categorical(p)[accepted]
+    accepted = mx.cumprod((mx.random.uniform(shape=(n,), key=sampler.key()) * q_d < p_d).astype(mx.int32)).sum()
+    return accepted, sampling.categorical(p, sampler.key())[accepted]
 
 
 def test_negative_control_biased_rule_is_detected(small_pair, monkeypatch):
@@ -136,7 +181,7 @@ def wrong_bonus_accept(target_logits, drafted, draft_probs, sampler):
     n = drafted.shape[0]
     p = sampler.probs(target_logits)
     accepted, token = sampling.accept(target_logits, drafted, draft_probs, sampler)
-    bonus = sampling.categorical(p[n - 1 : n])[0]
+    bonus = sampling.categorical(p[n - 1 : n], sampler.key())[0]
     return accepted, mx.where(accepted == n, bonus, token)
 
 
@@ -170,9 +215,8 @@ def test_the_all_accepted_bonus_draw_follows_the_target(small_pair, monkeypatch)
 def test_target_only_sampling_follows_its_distribution(small_pair):
     """The baseline samples from the same filtered distribution (sanity of the reference)."""
     target, _ = small_pair
-    sampler = SAMPLERS[1]
-    mx.random.seed(1)
-    p1 = np.array(sampler.probs(target(PROMPT[None])[0, -1]))
+    sampler = SAMPLERS[1].for_request(1)
+    p1 = reference_probs(sampler, target(PROMPT[None])[0, -1])
     counts = np.zeros(V)
     for _ in range(SAMPLES):
         counts[next(loop.target_only(target, PROMPT, sampler, max_tokens=1)).tokens[0]] += 1
@@ -185,6 +229,192 @@ def test_filters_keep_what_they_promise():
     assert (np.array(Sampler(1.0, top_p=0.7).probs(logits)) > 0).tolist() == [[True, True, False, False]]
     assert (np.array(Sampler(1.0, top_p=0.85).probs(logits)) > 0).tolist() == [[True, True, True, False]]
     assert (np.array(Sampler(1.0, min_p=0.2).probs(logits)) > 0).tolist() == [[True, True, True, False]]
-    for bad in (dict(temperature=-1), dict(top_p=0), dict(top_k=-1), dict(min_p=1)):
-        with pytest.raises(ValueError):
+    for off in (dict(top_p=0.0), dict(top_p=1.0), dict(top_k=0), dict(top_k=4), dict(min_p=0.0)):  # mlx-lm's "off"
+        np.testing.assert_allclose(np.array(Sampler(1.0, **off).probs(logits)), [[0.5, 0.3, 0.15, 0.05]], atol=1e-6)
+    # The filters see the untempered distribution; the temperature comes last: at 3.0 top-p 0.7
+    # still keeps two tokens (tempered, 0.5 and 0.3 become 0.34 and 0.28: it would keep three).
+    kept = np.array([0.5, 0.3]) ** (1 / 3)
+    np.testing.assert_allclose(np.array(Sampler(3.0, top_p=0.7).probs(logits)), [[*kept / kept.sum(), 0, 0]], atol=1e-6)
+    # mlx-lm's order: top-p first (0.5 + 0.3 needed for 0.6), then top-k 2 keeps both; top-k first would
+    # leave 0.5/0.8 and 0.3/0.8 and top-p 0.6 then keeps only the first.
+    assert (np.array(Sampler(1.0, top_p=0.6, top_k=2).probs(logits)) > 0).tolist() == [[True, True, False, False]]
+    # min_tokens_to_keep survives min-p: 0.05 < 0.5 * 0.5 drops two, but three must stay.
+    assert (np.array(Sampler(1.0, min_p=0.5, min_tokens_to_keep=3).probs(logits)) > 0).tolist() == [[True, True, True, False]]
+    for bad, named in ((dict(temperature=-1), "temperature must be >= 0 .*got -1"), (dict(top_p=1.5), "top_p .*got 1.5"),
+                       (dict(top_p=-0.1), "top_p .*got -0.1"), (dict(top_k=-1), "top_k .*got -1"),
+                       (dict(top_k=2.5), "top_k .*got 2.5"), (dict(min_p=1.2), "min_p .*got 1.2"),
+                       (dict(min_tokens_to_keep=0), "min_tokens_to_keep .*got 0")):
+        with pytest.raises(ValueError, match=named):
             Sampler(**bad)
+    with pytest.raises(TypeError):
+        Sampler(1.0, 0.9)  # only the temperature goes by position
+
+
+def test_make_sampler_has_mlx_lms_signature():
+    from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
+
+    theirs = [(p.name, p.default) for p in inspect.signature(mlx_lm_make_sampler).parameters.values()]
+    ours = [(p.name, p.default) for p in inspect.signature(make_sampler).parameters.values()]
+    assert ours == theirs
+    assert make_sampler(0.7, 0.9, 0.05, 2, 5) == Sampler(0.7, top_p=0.9, min_p=0.05, min_tokens_to_keep=2, top_k=5)
+    assert make_sampler() == Sampler() and make_sampler().greedy
+    with pytest.raises(ValueError, match="XTC"):
+        make_sampler(0.7, xtc_probability=0.5)
+
+
+def _logit_rows():
+    """A spread row, ties (top-k's and min_tokens_to_keep's boundaries fall inside them), a peaked
+    row and a flat one, over 64 tokens."""
+    rng = np.random.default_rng(0)
+    spread = rng.standard_normal(64) * 2.5
+    ties = np.repeat([3.0, 2.0, 1.5, 1.0, 0.0, -1.0, -2.0, -4.0], 8)[rng.permutation(64)]
+    peaked = rng.standard_normal(64)
+    peaked[5] = 9.0
+    return np.stack([spread, ties, peaked, np.zeros(64)]).astype(np.float32)
+
+
+FILTERS = [dict(), dict(top_k=3), dict(top_k=20), dict(top_p=0.8), dict(top_p=0.95), dict(min_p=0.1),
+           dict(top_k=5, top_p=0.7), dict(top_k=10, top_p=0.6), dict(top_p=0.9, min_p=0.05),
+           dict(top_k=12, top_p=0.9, min_p=0.05), dict(min_p=0.3, min_tokens_to_keep=4),
+           dict(top_k=3, min_p=0.5, min_tokens_to_keep=5), dict(top_k=12, top_p=0.8, min_p=0.2, min_tokens_to_keep=10)]
+
+
+@pytest.mark.parametrize("temperature", [0.3, 0.7, 1.0, 1.5])
+def test_probs_are_the_distribution_mlx_lms_sampler_draws_from(temperature):
+    """``Sampler.probs`` against mlx-lm's own ``make_sampler`` chain, at several temperatures and
+    filter combinations. Tokens with equal logits may trade places (which of the tied tokens a
+    partition keeps is arbitrary in both), so each group of equal logits is compared as a multiset."""
+    rows = _logit_rows()
+    for filters in FILTERS:
+        ours = np.array(Sampler(temperature, **filters).probs(mx.array(rows)), dtype=np.float64)
+        theirs = mlx_lm_probs(rows, temp=temperature, **filters)
+        for row, mine, want in zip(rows, ours, theirs):
+            for value in np.unique(row):
+                tied = row == value
+                np.testing.assert_allclose(np.sort(mine[tied]), np.sort(want[tied]), atol=2e-6, rtol=1e-5,
+                                           err_msg=f"temperature {temperature}, {filters}, logit {value}")
+        assert np.allclose(ours.sum(axis=-1), 1.0, atol=1e-5)
+
+
+class NearDraft:
+    """A draft that proposes each slot from ``q = 0.75 p + 0.25 uniform``, ``p`` the target's
+    reference distribution given everything before the slot (its own earlier proposals included):
+    blocks of 4 are often accepted whole (the bonus drawn after 3 drafts) and rejected at every
+    slot, also for tokens the filters exclude (``q`` puts mass on them, ``p`` none). ``tree`` maps
+    the tokens generated so far (a tuple) to ``p`` for the next one; deeper slots draw uniformly.
+    Draws take the request's keys; the tokens are followed through ``add_context`` as the loop
+    commits them (the features of ``t_last`` and the accepted proposals)."""
+
+    mask_token_id = V - 1
+    target_layer_ids = [0]
+    block_size = 4
+
+    def __init__(self, tree):
+        self.tree = tree
+
+    def make_cache(self, window=None):
+        self.generated, self.block = [], None
+        return []
+
+    def add_context(self, features, cache):
+        if self.block is not None:  # after prefill: a cycle's committed prefix
+            self.generated += self.block[: features.shape[1]]
+
+    def propose(self, block, cache, sampler):
+        context, rows = self.generated + [int(block[0].item())], []
+        for _ in range(block.size - 1):
+            p = self.tree.get(tuple(context))
+            q = np.full(V, 1.0 / V) if p is None else 0.75 * p + 0.25 / V
+            rows.append(q)
+            context.append(int(sampling.categorical(mx.array(q[None], dtype=mx.float32), sampler.key())[0].item()))
+        self.block = context[len(self.generated):]
+        return mx.array(self.block[1:], dtype=mx.int32), mx.array(np.stack(rows), dtype=mx.float32)
+
+
+@pytest.fixture(scope="module")
+def markov_target(tmp_path_factory):
+    """The small target with every sublayer's output projection zeroed: its state at a token is that
+    token's embedding, so its next-token distribution depends on the last token alone (a bigram
+    model, as tests/scripted.py builds) and the reference for every history is one row."""
+    from safetensors.numpy import load_file, save_file
+
+    path = make_hf_target(tmp_path_factory.mktemp("markov_target"), vocab_size=V, seed=11)
+    weights = load_file(str(path / "model.safetensors"))
+    for name in weights:
+        if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight")):
+            weights[name] = np.zeros_like(weights[name])
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return load_target(path)[0]
+
+
+def reference_tree(target, sampler, depth):
+    """A bigram target's reference distribution of each generated token t_0..t_depth given the ones
+    before it, {(t_0, .., t_{d-1}): p(t_d)}: the row of the last token (the prompt's for t_0)."""
+    rows = reference_probs(sampler, target(mx.arange(V)[:, None])[:, -1])
+    start = reference_probs(sampler, target(PROMPT[None])[0, -1])
+    np.testing.assert_allclose(start, rows[int(PROMPT[-1].item())], atol=1e-5)  # it is a bigram model
+    return {tail: rows[tail[-1]] if tail else start for d in range(depth + 1) for tail in itertools.product(range(V), repeat=d)}
+
+
+def tree_joint(tree, positions, depth):
+    """P(t_i, t_j) for ``positions`` (i, j) from the reference tree of the first ``depth + 1`` tokens."""
+    joint = np.zeros((V, V))
+    for tokens in itertools.product(range(V), repeat=depth + 1):
+        p = 1.0
+        for d in range(depth + 1):
+            p *= tree[tokens[:d]][tokens[d]]
+            if p == 0:
+                break
+        joint[tokens[positions[0]], tokens[positions[1]]] += p
+    return joint
+
+
+def test_deep_blocks_follow_the_target(markov_target):
+    """Slots 2 and 3 of a block and the bonus after 3 accepted drafts: with a draft close to the
+    target, the first cycle (tokens t_1..t_4) is often accepted whole and rejected at every slot.
+    The joints of (t_2, t_3) (slots 2 and 3) and (t_3, t_4) (slot 3 and the bonus) are mlx-lm's."""
+    target = markov_target
+    sampler = SAMPLERS[1].for_request(7)
+    tree = reference_tree(target, sampler, depth=4)
+    draft = NearDraft(tree)
+    slots, bonus, accepted = np.zeros((V, V)), np.zeros((V, V)), []
+    samples = SAMPLES
+    for _ in range(samples):
+        tokens, commits = [], []
+        for commit in loop.speculative(target, draft, PROMPT, sampler, block_tokens=4, max_tokens=5):
+            commits.append(commit)
+            tokens.extend(commit.tokens)
+            if len(tokens) >= 5:
+                break
+        accepted.append(commits[1].accepted)  # commits[0] is t_0, from the prefill
+        slots[tokens[2], tokens[3]] += 1
+        bonus[tokens[3], tokens[4]] += 1
+    accepted = np.bincount(accepted, minlength=4)
+    assert accepted[3] > 0.25 * samples, f"the bonus after 3 drafts is rare ({accepted}): the test would not see it"
+    assert min(accepted[:3]) > 0.05 * samples, f"some slot is rarely rejected ({accepted})"
+    for name, counts, positions in (("slots 2 and 3", slots, (2, 3)), ("slot 3 and the bonus", bonus, (3, 4))):
+        pvalue = goodness_of_fit(counts, tree_joint(tree, positions, 4))
+        assert pvalue > 1e-3, f"{name}: speculative samples do not follow the target (chi-square p={pvalue:.2g})"
+
+
+def test_requests_draw_from_their_own_generator(small_pair):
+    """A request neither uses nor advances MLX's global generator, and a seeded one gives the same
+    tokens whatever ran before it (an unseeded request, other global draws)."""
+    target, draft = small_pair
+
+    def run(seed, use_draft=True):
+        sampler = SAMPLERS[0].for_request(seed)
+        steps = (loop.speculative(target, draft, PROMPT, sampler, block_tokens=4, max_tokens=16) if use_draft
+                 else loop.target_only(target, PROMPT, sampler, max_tokens=16))
+        return [t for commit in steps for t in commit.tokens]
+
+    mx.random.seed(0)
+    following = mx.random.uniform(shape=(4,)).tolist()  # the global generator's next draws
+    mx.random.seed(0)
+    first, alone = run(5), run(5, use_draft=False)
+    assert mx.random.uniform(shape=(4,)).tolist() == following, "a request drew from the global generator"
+    run(None)
+    mx.random.seed(123)
+    mx.random.uniform()
+    assert run(5) == first and run(5, use_draft=False) == alone
+    assert len({tuple(run(seed)) for seed in (6, 7, 8)} | {tuple(first)}) > 1

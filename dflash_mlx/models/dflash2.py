@@ -96,10 +96,14 @@ class CandidateSelector(nn.Module):
         self.hidden_projection = nn.Linear(args.hidden_size, args.selector_rank, bias=False)
 
     def select(self, hidden: mx.array, logits: mx.array, anchor: mx.array, temperature: float,
-               path: Optional[mx.array] = None) -> Tuple[mx.array, mx.array, Optional[mx.array]]:
+               path: Optional[mx.array] = None, key: Optional[mx.array] = None) -> Tuple[mx.array, mx.array, Optional[mx.array]]:
         """Tokens [B, L], candidates [B, L, K] and, when ``temperature`` > 0, the distributions
-        [B, L, K] over the candidates the tokens were drawn from (softmax of score/temperature).
-        ``path`` [B, L] replaces the draws (so that a test can score a given walk)."""
+        [B, L, K] over the candidates the tokens were drawn from (softmax of score/temperature),
+        drawn with ``key`` (the request's: split per slot). ``path`` [B, L] replaces the draws (so
+        that a test can score a given walk)."""
+        if temperature > 0 and path is None and key is None:
+            raise ValueError("sampling a walk needs a key (the request's generator)")
+        keys = mx.random.split(key, hidden.shape[1]) if temperature > 0 and path is None else None
         candidates = mx.argpartition(logits, -self.top_k, axis=-1)[..., -self.top_k:]
         unary = mx.take_along_axis(logits, candidates, axis=-1).astype(mx.float32)
         projected = self.hidden_projection(hidden)
@@ -111,7 +115,7 @@ class CandidateSelector(nn.Module):
             if temperature > 0:
                 q = mx.softmax(scores / temperature, axis=-1)
                 q_rows.append(q)
-                choice = mx.random.categorical(mx.log(q)) if path is None else None
+                choice = mx.random.categorical(mx.log(q), key=keys[slot]) if path is None else None
             else:
                 choice = mx.argmax(scores, axis=-1) if path is None else None
             if path is None:
@@ -139,7 +143,8 @@ class DFlash2Draft(DFlashDraft):
         sampling (whose residual ``p - q`` then touches only the candidates)."""
         hidden = self.hidden(block[None], cache)
         logits = self.logits(hidden)
-        tokens, candidates, q = self.candidate_selector.select(hidden, logits, block[None, 0], sampler.temperature)
+        key = None if sampler.greedy else sampler.key()
+        tokens, candidates, q = self.candidate_selector.select(hidden, logits, block[None, 0], sampler.temperature, key=key)
         if q is None:
             return tokens[0], None
         dense = mx.zeros(logits.shape[1:], dtype=mx.float32)
