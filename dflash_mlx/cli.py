@@ -428,7 +428,7 @@ def serve(
     max_request_bytes: Annotated[int, typer.Option("--max-request-bytes", help="Reject request bodies larger than this.")] = 8 << 20,
     prompt_cache_gb: Annotated[float, typer.Option("--prompt-cache-gb", help="Memory for prefix caches kept between requests (GB): several token histories (a chat, an editor's completions) with their Gated DeltaNet checkpoints; the least recently used go first. The most recent one is always kept. Under mlx.launch none are kept.")] = 4.0,
     temp: Annotated[Optional[float], typer.Option("--temp", help=f"Default sampling temperature (0: greedy) for requests that give none. {SAMPLING_PRECEDENCE}")] = None,
-    top_p: Annotated[Optional[float], typer.Option("--top-p", help=f"Default nucleus sampling mass (1.0: off). {SAMPLING_PRECEDENCE}")] = None,
+    top_p: Annotated[Optional[float], typer.Option("--top-p", help=f"Default nucleus sampling mass, in [0, 1] (0 or 1.0: off; filters in mlx-lm's order: top-p, min-p, top-k). {SAMPLING_PRECEDENCE}")] = None,
     top_k: Annotated[Optional[int], typer.Option("--top-k", help=f"Default top-k (0: off). {SAMPLING_PRECEDENCE}")] = None,
     min_p: Annotated[Optional[float], typer.Option("--min-p", help=f"Default min-p (0.0: off). {SAMPLING_PRECEDENCE}")] = None,
     chat_template_args: Annotated[Optional[str], typer.Option("--chat-template-args", help="""A JSON object of arguments for the chat template of every request, e.g. '{"enable_thinking": false}' (as mlx_lm.server); a request's own (chat_template_kwargs, or its thinking switch) win.""")] = None,
