@@ -366,9 +366,10 @@ def serve(
     host: Annotated[str, typer.Option("--host", help="Interface to listen on (loopback by default: only this machine).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="TCP port.")] = 8080,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="DFLASH_MLX_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 endpoints.")] = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Cap on tokens generated per request.")] = 4096,
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Cap on tokens generated per request, whatever the request asks. Default: none (each request's own max_tokens, up to the context; without one, the rest of the context).")] = None,
     context_size: Annotated[Optional[int], typer.Option("--context-size", help="Context limit in tokens, prompt and answer together: longer prompts are refused (400), answers stop where the context is full. Default: the target's max_position_embeddings.")] = None,
     model_name: Annotated[Optional[str], typer.Option("--model-name", help="Model id clients ask for (default: the repo id, 'demo', or the target folder's name).")] = None,
+    model_alias: Annotated[Optional[List[str]], typer.Option("--model-alias", help="Another model id to list in /v1/models and serve without a log line (repeatable). Any id a request names is served by the loaded model; ids that are neither this nor --model-name are logged once.")] = None,
     max_request_bytes: Annotated[int, typer.Option("--max-request-bytes", help="Reject request bodies larger than this.")] = 8 << 20,
     prompt_cache_gb: Annotated[float, typer.Option("--prompt-cache-gb", help="Memory for prefix caches kept between requests (GB): several token histories (a chat, an editor's completions) with their Gated DeltaNet checkpoints; the least recently used go first. The most recent one is always kept. Under mlx.launch none are kept.")] = 4.0,
     stages: Stages = None,
@@ -379,6 +380,8 @@ def serve(
 
     if prompt_cache_gb < 0:
         _fail(f"--prompt-cache-gb must not be negative (got {prompt_cache_gb})")
+    if max_tokens is not None and max_tokens < 1:
+        _fail(f"--max-tokens must be at least 1 (got {max_tokens})")
     loaded, tokenizer = _load(model, draft, draft_quant, stages, peer_timeout)
     with _ranks(loaded):
         _check_block_tokens((loaded, tokenizer), block_tokens)
@@ -386,6 +389,7 @@ def serve(
         app_ = create_app(
             loaded, tokenizer, name, api_key=api_key, max_tokens_cap=max_tokens, context_limit=context_size,
             max_request_bytes=max_request_bytes, block_tokens=block_tokens, prompt_cache_bytes=int(prompt_cache_gb * 1e9),
+            model_aliases=model_alias or (),
         )
         typer.secho(f"serving {name!r} on http://{host}:{port}/v1", err=True)
         run_server(app_, host, port)

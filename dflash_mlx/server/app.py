@@ -5,19 +5,22 @@ metrics); ``serve`` runs it on uvicorn."""
 from __future__ import annotations
 
 import hmac
+import logging
 from contextlib import asynccontextmanager
-from typing import Optional, Union
+from typing import Iterable, Optional, Union
 
 import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..api import DFlashModel
 from . import anthropic, openai, responses
 from .engine import Engine, current_engine
 from .errors import APIError, error_body
+
+LOG = logging.getLogger("dflash_mlx.server")
 
 
 class BodyLimit:
@@ -85,7 +88,9 @@ async def authorize(request: Request) -> None:
 
 
 def _error(request: Request, status: int, message: str, kind: str, param=None, code=None) -> JSONResponse:
-    """An error in the shape of the protocol the client spoke (Anthropic's under /v1/messages)."""
+    """An error in the shape of the protocol the client spoke (Anthropic's under /v1/messages),
+    logged: a refused request leaves a line in the server's output."""
+    LOG.warning("%s %s -> %d %s", request.method, request.url.path, status, message)
     if request.url.path.startswith("/v1/messages"):
         return JSONResponse(anthropic.error_body(status, message), status_code=status)
     return JSONResponse(error_body(message, kind, param, code), status_code=status)
@@ -123,6 +128,15 @@ async def health(engine: Engine = Depends(current_engine)):
     return {"status": "ok", "model": engine.name, "queue_depth": engine.metrics.queued}
 
 
+async def root(request: Request, engine: Engine = Depends(current_engine)):
+    """``GET /`` and ``HEAD /``: clients probe the base URL before their first request (Claude Code
+    sends ``HEAD /``); a 200 says a server is there."""
+    if request.method == "HEAD":
+        return Response(status_code=200)
+    return {"name": "dflash-mlx", "model": engine.name, "endpoints": ["/v1/chat/completions", "/v1/completions",
+            "/v1/responses", "/v1/messages", "/v1/models", "/health", "/metrics"]}
+
+
 async def metrics(engine: Engine = Depends(current_engine)):
     return PlainTextResponse(engine.metrics.prometheus(engine.name, engine.prompt_caches.budget_bytes))
 
@@ -132,15 +146,22 @@ def create_app(
     tokenizer,
     model_name: str,
     api_key: Optional[str] = None,
-    max_tokens_cap: int = 4096,
+    max_tokens_cap: Optional[int] = None,
     context_limit: Optional[int] = None,
     max_request_bytes: int = 8 << 20,
     block_tokens: Union[None, int, str] = "auto",
     prompt_cache_bytes: int = 4 << 30,
+    model_aliases: Iterable[str] = (),
+    keepalive_seconds: Optional[float] = None,
 ) -> FastAPI:
     """The server's app. ``context_limit`` defaults to the target's ``max_position_embeddings``;
-    ``prompt_cache_bytes`` bounds the prefix caches kept between requests."""
+    ``max_tokens_cap`` (None: none) bounds every answer, which is otherwise what the request asks
+    up to the context; ``prompt_cache_bytes`` bounds the prefix caches kept between requests;
+    ``model_aliases`` are more ids /v1/models lists (any id is served, those without a log line)."""
     engine = Engine(model, tokenizer, model_name, context_limit, max_tokens_cap, block_tokens, prompt_cache_bytes)
+    engine.aliases = set(model_aliases) - {model_name}
+    if keepalive_seconds is not None:
+        engine.keepalive_seconds = keepalive_seconds
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -153,6 +174,7 @@ def create_app(
     app.state.api_key = api_key.encode() if api_key is not None else None
     _add_error_handlers(app, engine)
     app.add_middleware(BodyLimit, limit=max_request_bytes)
+    app.add_api_route("/", root, methods=["GET", "HEAD"], include_in_schema=False)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"], response_class=PlainTextResponse)
     app.include_router(openai.router, dependencies=[Depends(authorize)])
