@@ -396,6 +396,120 @@ def serve(
 
 
 @app.command()
+def agent(
+    client: Annotated[str, typer.Argument(help="claude (Claude Code), codex (Codex CLI) or opencode.")],
+    args: Annotated[Optional[List[str]], typer.Argument(help="Given to the client, after --: e.g. -- -p 'fix the tests'.")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="What to serve, as for serve; 'demo' gets --context-size 65536 unless given (the demo's 4,096 cannot hold an agent's first request); 'scripted': a tiny pair with fixed answers that calls the client's shell tool when asked to 'run the scripted tool' (made on first use, no download: a check that the client works against the server, in seconds).")] = None,
+    draft: Draft = None,
+    draft_quant: DraftQuant = "none",
+    base_url: Annotated[Optional[str], typer.Option("--base-url", help="Use the server already running here (e.g. http://127.0.0.1:8080) instead of starting one.")] = None,
+    port: Annotated[Optional[int], typer.Option("--port", help="Port for the server this command starts (default: a free one).")] = None,
+    context_size: Annotated[Optional[int], typer.Option("--context-size", help="Given to the server this command starts.")] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="DFLASH_MLX_API_KEY", help="The server's API key, if it has one (default: a placeholder).")] = None,
+    client_bin: Annotated[Optional[str], typer.Option("--client-bin", help="The client's executable (default: claude, codex or opencode on PATH).")] = None,
+    serve_log: Annotated[Optional[Path], typer.Option("--serve-log", help="Where the started server's output goes (default: $DFLASH_MLX_HOME/agent-serve.log).")] = None,
+) -> None:
+    """Run a coding agent (Claude Code, Codex or opencode) against a local server: starts `serve`
+    (or uses --base-url), runs the client with the base URL, the model name for every model it asks
+    for, a placeholder key, the context window and its telemetry and update checks off (through its
+    environment and command line; your configuration files are not touched), then stops the server."""
+    import shutil
+    import subprocess
+
+    from . import agents
+
+    if client not in agents.CLIENTS:
+        _fail(f"unknown client {client!r}: choose from {', '.join(agents.CLIENTS)}")
+    binary = client_bin or shutil.which(client)
+    if binary is None:
+        _fail(f"{client} is not on PATH: install {agents.DOCS[client]} (npm install -g {agents.PACKAGES[client]}), "
+              "or give --client-bin")
+    if base_url is not None:
+        name, context = _server_info(base_url.rstrip("/"))
+        raise typer.Exit(code=_run_client(agents, client, base_url.rstrip("/"), name, context, api_key, args, binary))
+    serve_args, name, context = _agent_serve_args(client, model, draft, draft_quant, context_size)
+    port = port or _free_port()
+    url = f"http://127.0.0.1:{port}"
+    from .defaults import home
+
+    log_path = serve_log or home() / "agent-serve.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        server = subprocess.Popen([sys.executable, "-m", "dflash_mlx.cli", "serve", *serve_args, "--port", str(port),
+                                   *(["--api-key", api_key] if api_key else [])], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            typer.secho(f"starting dflash-mlx serve on {url} (output: {log_path})", dim=True, err=True)
+            if not _wait_for(url, server):
+                _fail(f"the server stopped before answering: see {log_path}")
+            code = _run_client(agents, client, url, name, context, api_key, args, binary)
+        finally:
+            server.terminate()
+            try:
+                server.wait(15)
+            except subprocess.TimeoutExpired:
+                server.kill()
+    raise typer.Exit(code=code)
+
+
+def _agent_serve_args(client: str, model: Optional[str], draft: Optional[str], draft_quant: str,
+                      context_size: Optional[int]):
+    """serve's arguments for ``agent``, the model name clients will use, and the context."""
+    from . import agents, defaults, scripted
+
+    args = ["--draft-quant", draft_quant]
+    if model == "scripted":
+        root = defaults.home() / "scripted" / client
+        target, draft_dir = scripted.write_pair(root, scripted.Script(call=agents.SCRIPTED_CALLS[client]))
+        args += ["--model", str(target), "--draft", str(draft_dir), "--model-name", "scripted"]
+        return args + (["--context-size", str(context_size)] if context_size else []), "scripted", context_size or scripted.CONTEXT
+    if model == defaults.DEMO and context_size is None:
+        context_size = 65536
+    args += (["--model", model] if model else []) + (["--draft", draft] if draft else [])
+    args += ["--context-size", str(context_size)] if context_size else []
+    return args, served_name(model), context_size
+
+
+def _run_client(agents, client, url, name, context, api_key, args, binary) -> int:
+    import subprocess
+
+    launch = agents.launch(client, url, name, context, api_key, args or [], binary)
+    return subprocess.call(launch.argv, env=agents.environment(launch))
+
+
+def _server_info(url: str):
+    """The running server's model name and context limit (from /health)."""
+    import httpx
+
+    try:
+        health = httpx.get(f"{url}/health", timeout=10).json()
+    except (httpx.HTTPError, ValueError) as e:
+        _fail(f"no dflash-mlx server answers at {url}/health: {e}")
+    return health.get("model"), health.get("context_limit")
+
+
+def _wait_for(url: str, server) -> bool:
+    """Wait until the server answers /health (a first use converts the default pair: no time limit)."""
+    import httpx
+
+    while server.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    return False
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@app.command()
 def doctor(
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Target to check for memory (folder, repo id or 'demo'); omit to check the machine only. Nothing is converted or downloaded beyond what loading the pair needs.")] = None,
     draft: Annotated[Optional[str], typer.Option("--draft", "-d", help="DFlash draft to include (with --model demo: the demo draft by default).")] = None,

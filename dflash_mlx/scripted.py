@@ -30,6 +30,7 @@ import numpy as np
 
 from . import tiny
 
+CONTEXT = 262144  # the scripted target's positions have no limit: long enough for any agent's first request
 ROUTES = ("plain", "tool", "after_tool")
 ROUTE_TOKENS = {route: f"<|scripted_{route}|>" for route in ROUTES}
 ASK = "run the scripted tool"
@@ -122,7 +123,7 @@ def _pieces(text: str, taken: set) -> List[str]:
     return out
 
 
-def write_pair(root: Path, script: Script, context: int = 262144, vocab_size: int = 512) -> Tuple[Path, Path]:
+def write_pair(root: Path, script: Script, context: int = CONTEXT, vocab_size: int = 512) -> Tuple[Path, Path]:
     """The scripted target (with its tokenizer and template) and a draft for it under ``root``."""
     from tokenizers import AddedToken, Tokenizer
 

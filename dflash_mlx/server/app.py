@@ -125,7 +125,7 @@ def _add_error_handlers(app: FastAPI, engine: Engine) -> None:
 
 
 async def health(engine: Engine = Depends(current_engine)):
-    return {"status": "ok", "model": engine.name, "queue_depth": engine.metrics.queued}
+    return {"status": "ok", "model": engine.name, "queue_depth": engine.metrics.queued, "context_limit": engine.context_limit}
 
 
 async def root(request: Request, engine: Engine = Depends(current_engine)):
