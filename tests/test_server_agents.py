@@ -253,3 +253,23 @@ def test_keepalives_go_out_while_a_request_waits(tmp_path):
     assert names.index("content_block_start") > 3 and names.count("ping") > 3
     assert names[:2] == ["message_start", "ping"]
     assert sum(1 for n, _ in sse(chat) if n == ":") > 3
+
+
+def test_the_agent_launcher_points_each_client_at_the_server_without_its_files(tmp_path, monkeypatch):
+    from dflash_mlx import agents
+    from dflash_mlx.cli import _agent_serve_args
+
+    claude = agents.launch("claude", "http://127.0.0.1:9", "qwopus", 65536)
+    assert claude.env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:9" and claude.env["ANTHROPIC_DEFAULT_HAIKU_MODEL"] == "qwopus"
+    assert claude.env["DISABLE_TELEMETRY"] == "1" and "ANTHROPIC_API_KEY" in claude.unset
+    assert "ANTHROPIC_API_KEY" not in agents.environment(claude, {"ANTHROPIC_API_KEY": "sk-ant-real"})
+    codex = agents.launch("codex", "http://127.0.0.1:9", "qwopus", 65536, args=["exec", "hi"])
+    assert codex.argv[-2:] == ["exec", "hi"] and "model_context_window=65536" in codex.argv
+    assert 'model_providers.dflash_mlx={name = "dflash-mlx", base_url = "http://127.0.0.1:9/v1", wire_api = "responses", ' \
+           'env_key = "DFLASH_MLX_API_KEY"}' in codex.argv and "analytics.enabled=false" in codex.argv
+    opencode = json.loads(agents.launch("opencode", "http://127.0.0.1:9", "qwopus", 65536).env["OPENCODE_CONFIG_CONTENT"])
+    assert opencode["model"] == "dflash_mlx/qwopus" and opencode["provider"]["dflash_mlx"]["options"]["baseURL"].endswith("/v1")
+    monkeypatch.setenv("DFLASH_MLX_HOME", str(tmp_path))
+    args, name, context = _agent_serve_args("codex", "scripted", None, "none", None)
+    assert name == "scripted" and context == scripted.CONTEXT and (tmp_path / "scripted/codex/target/config.json").exists()
+    assert _agent_serve_args("claude", "demo", None, "none", None)[2] == 65536  # the demo's 4,096 holds no agent
