@@ -18,6 +18,7 @@ type), so that the default output says it once.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Dict, Iterable, Optional
 
 LOG = logging.getLogger("dflash_mlx.server")
@@ -27,7 +28,7 @@ _warned: set = set()
 
 def note_ignored(route: str, fields: Iterable[str], what: str = "fields") -> None:
     """Log the ``fields`` of a request to ``route`` that the server ignores."""
-    fields = sorted(set(fields))
+    fields = sorted({str(f) for f in fields})
     if not fields:
         return
     new = [f for f in fields if (route, what, f) not in _warned]
@@ -38,5 +39,5 @@ def note_ignored(route: str, fields: Iterable[str], what: str = "fields") -> Non
 
 def ignored_tools_header(names: Iterable[str]) -> Optional[Dict[str, str]]:
     """The response header naming the hosted tools left out (None when there are none)."""
-    names = list(dict.fromkeys(names))
+    names = list(dict.fromkeys(re.sub(r"[^\x21-\x7e]", "?", str(n)) for n in names))  # a header: printable ASCII
     return {IGNORED_TOOLS_HEADER: ", ".join(names)} if names else None

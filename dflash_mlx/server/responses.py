@@ -84,8 +84,10 @@ def _unsupported(req: ResponsesRequest) -> None:
 def _text(content) -> str:
     if isinstance(content, str) or content is None:
         return content or ""
-    return "".join(part.get("text", "") for part in content
-                   if part.get("type") in ("input_text", "output_text", "text", "reasoning_text", "summary_text"))
+    if not isinstance(content, list):
+        raise APIError(400, "content must be a string or a list of parts", param="input")
+    return "".join(str(part.get("text") or "") for part in content if isinstance(part, dict)
+                   and part.get("type") in ("input_text", "output_text", "text", "reasoning_text", "summary_text"))
 
 
 def _leading_system(instructions: Optional[str], items: List[Dict[str, Any]]):
@@ -120,14 +122,16 @@ def chat_messages(req: ResponsesRequest) -> List[Dict[str, Any]]:
     for item in items:
         kind = item.get("type", "message")
         if kind == "message":
-            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
+            role = item.get("role")
+            role = {"developer": "system"}.get(role, role) if isinstance(role, str) else role
             if role not in ("system", "user", "assistant"):
                 raise APIError(400, f"input message role {item.get('role')!r} is not supported", param="input")
             out.append({"role": role, "content": _text(item.get("content"))})
             if role == "assistant" and reasoning:
                 out[-1]["reasoning_content"], reasoning = reasoning, None
         elif kind == "reasoning":
-            reasoning = _text(item.get("content")) or "".join(s.get("text", "") for s in item.get("summary") or [])
+            summary = item.get("summary") if isinstance(item.get("summary"), list) else []
+            reasoning = _text(item.get("content")) or "".join(str(s.get("text") or "") for s in summary if isinstance(s, dict))
         elif kind == "function_call":
             turn = assistant()
             if reasoning:
@@ -151,18 +155,25 @@ def _functions(req: ResponsesRequest):
     """The function tools, a ``namespace`` tool's functions among them: (namespace or None, tool)."""
     for tool in req.tools or []:
         if tool.get("type") == "function":
-            yield None, tool
+            yield None, _named(tool)
         elif tool.get("type") == "namespace":
-            for inner in tool.get("tools") or []:
-                if inner.get("type", "function") == "function":
-                    yield tool.get("name"), inner
+            inner_tools = tool.get("tools")
+            for inner in inner_tools if isinstance(inner_tools, list) else []:
+                if isinstance(inner, dict) and inner.get("type", "function") == "function":
+                    yield tool.get("name"), _named(inner)
+
+
+def _named(tool: Dict[str, Any]) -> Dict[str, Any]:
+    if not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise APIError(400, "every function tool needs a name", param="tools")
+    return tool
 
 
 def _hosted(req: ResponsesRequest) -> List[str]:
     """Tools that are neither functions nor namespaces of functions: hosted ones (``web_search``,
     ``file_search``, ``code_interpreter``, ``mcp``...) and grammar-bound ``custom`` tools, which
     this server cannot run or parse: they are left out of the prompt."""
-    return [t.get("type") if t.get("type") != "custom" else f"custom:{t.get('name')}" for t in req.tools or []
+    return [str(t.get("type")) if t.get("type") != "custom" else f"custom:{t.get('name')}" for t in req.tools or []
             if t.get("type") not in ("function", "namespace")]
 
 
