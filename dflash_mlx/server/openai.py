@@ -184,8 +184,8 @@ def _message_dict(m: Message) -> Dict[str, Any]:
 def _parsed_arguments(call: Dict[str, Any]) -> Dict[str, Any]:
     """A call as the chat template takes it: OpenAI sends ``function.arguments`` as a JSON string,
     templates iterate it as a mapping (Qwen3.5's ``arguments|items``)."""
-    function = call.get("function") or {}
-    arguments = function.get("arguments")
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
     if not isinstance(arguments, str):
         return call
     try:
