@@ -422,9 +422,10 @@ def serve(
     host: Annotated[str, typer.Option("--host", help="Interface to listen on (loopback by default: only this machine).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="TCP port.")] = 8080,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="DFLASH_MLX_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 endpoints.")] = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Cap on tokens generated per request.")] = 4096,
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Cap on tokens generated per request, whatever the request asks. Default: none (each request's own max_tokens, up to the context; without one, the rest of the context).")] = None,
     context_size: Annotated[Optional[int], typer.Option("--context-size", help="Context limit in tokens, prompt and answer together: a prompt that leaves no room for an answer is refused (400, with the numbers), answers stop where the context is full. Default: the longest context whose caches fit in this machine's memory (MLX's recommended working set on a Mac, physical memory elsewhere; doctor's estimate) beside the weights and --prompt-cache-gb, at most the target's max_position_embeddings.")] = None,
     model_name: Annotated[Optional[str], typer.Option("--model-name", help="Model id clients ask for (default: the repo id, 'demo', or the target folder's name).")] = None,
+    model_alias: Annotated[Optional[List[str]], typer.Option("--model-alias", help="Another model id to list in /v1/models and serve without a log line (repeatable). Any id a request names is served by the loaded model; ids that are neither this nor --model-name are logged once.")] = None,
     max_request_bytes: Annotated[int, typer.Option("--max-request-bytes", help="Reject request bodies larger than this.")] = 8 << 20,
     prompt_cache_gb: Annotated[float, typer.Option("--prompt-cache-gb", help="Memory for prefix caches kept between requests (GB): several token histories (a chat, an editor's completions) with their Gated DeltaNet checkpoints; the least recently used go first. The most recent one is always kept. Under mlx.launch none are kept.")] = 4.0,
     temp: Annotated[Optional[float], typer.Option("--temp", help=f"Default sampling temperature (0: greedy) for requests that give none. {SAMPLING_PRECEDENCE}")] = None,
@@ -445,6 +446,8 @@ def serve(
 
     if prompt_cache_gb < 0:
         _fail(f"--prompt-cache-gb must not be negative (got {prompt_cache_gb})")
+    if max_tokens is not None and max_tokens < 1:
+        _fail(f"--max-tokens must be at least 1 (got {max_tokens})")
     if context_size is not None and context_size < 1:
         _fail(f"--context-size must be at least 1 (got {context_size})")
     sampling = _sampling_defaults(temp, top_p, top_k, min_p)
@@ -460,12 +463,127 @@ def serve(
             loaded, tokenizer, name, api_key=api_key, max_tokens_cap=max_tokens, context_limit=context_size,
             max_request_bytes=max_request_bytes, block_tokens=block_tokens, prompt_cache_bytes=int(prompt_cache_gb * 1e9),
             sampling=sampling, chat_template_args=template_args, allowed_origins=origins, draft_quant=draft_quant,
+            model_aliases=model_alias or (),
         )
         engine = app_.state.engine
         defaults = ", ".join(f"{k} {v}" for k, v in engine.sampling.items())
         typer.secho(f"serving {name!r} on http://{host}:{port}/v1; context limit {engine.context_limit} tokens "
                     f"({engine.context_source}); sampling defaults: {defaults}", err=True)
         run_server(app_, host, port, log_level)
+
+
+@app.command()
+def agent(
+    client: Annotated[str, typer.Argument(help="claude (Claude Code), codex (Codex CLI) or opencode.")],
+    args: Annotated[Optional[List[str]], typer.Argument(help="Given to the client, after --: e.g. -- -p 'fix the tests'.")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="What to serve, as for serve; 'demo' gets --context-size 65536 unless given (the demo's 4,096 cannot hold an agent's first request); 'scripted': a tiny pair with fixed answers that calls the client's shell tool when asked to 'run the scripted tool' (made on first use, no download: a check that the client works against the server, in seconds).")] = None,
+    draft: Draft = None,
+    draft_quant: DraftQuant = "none",
+    base_url: Annotated[Optional[str], typer.Option("--base-url", help="Use the server already running here (e.g. http://127.0.0.1:8080) instead of starting one.")] = None,
+    port: Annotated[Optional[int], typer.Option("--port", help="Port for the server this command starts (default: a free one).")] = None,
+    context_size: Annotated[Optional[int], typer.Option("--context-size", help="Given to the server this command starts.")] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="DFLASH_MLX_API_KEY", help="The server's API key, if it has one (default: a placeholder).")] = None,
+    client_bin: Annotated[Optional[str], typer.Option("--client-bin", help="The client's executable (default: claude, codex or opencode on PATH).")] = None,
+    serve_log: Annotated[Optional[Path], typer.Option("--serve-log", help="Where the started server's output goes (default: $DFLASH_MLX_HOME/agent-serve.log).")] = None,
+) -> None:
+    """Run a coding agent (Claude Code, Codex or opencode) against a local server: starts `serve`
+    (or uses --base-url), runs the client with the base URL, the model name for every model it asks
+    for, a placeholder key, the context window and its telemetry and update checks off (through its
+    environment and command line; your configuration files are not touched), then stops the server."""
+    import shutil
+    import subprocess
+
+    from . import agents
+
+    if client not in agents.CLIENTS:
+        _fail(f"unknown client {client!r}: choose from {', '.join(agents.CLIENTS)}")
+    binary = client_bin or shutil.which(client)
+    if binary is None:
+        _fail(f"{client} is not on PATH: install {agents.DOCS[client]} (npm install -g {agents.PACKAGES[client]}), "
+              "or give --client-bin")
+    if base_url is not None:
+        name, context = _server_info(base_url.rstrip("/"))
+        raise typer.Exit(code=_run_client(agents, client, base_url.rstrip("/"), name, context, api_key, args, binary))
+    serve_args, name, context = _agent_serve_args(client, model, draft, draft_quant, context_size)
+    port = port or _free_port()
+    url = f"http://127.0.0.1:{port}"
+    from .paths import home
+
+    log_path = serve_log or home() / "agent-serve.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        server = subprocess.Popen([sys.executable, "-m", "dflash_mlx.cli", "serve", *serve_args, "--port", str(port),
+                                   *(["--api-key", api_key] if api_key else [])], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            typer.secho(f"starting dflash-mlx serve on {url} (output: {log_path})", dim=True, err=True)
+            if not _wait_for(url, server):
+                _fail(f"the server stopped before answering: see {log_path}")
+            code = _run_client(agents, client, url, name, context, api_key, args, binary)
+        finally:
+            server.terminate()
+            try:
+                server.wait(15)
+            except subprocess.TimeoutExpired:
+                server.kill()
+    raise typer.Exit(code=code)
+
+
+def _agent_serve_args(client: str, model: Optional[str], draft: Optional[str], draft_quant: str,
+                      context_size: Optional[int]):
+    """serve's arguments for ``agent``, the model name clients will use, and the context."""
+    from . import agents, defaults, scripted
+
+    args = ["--draft-quant", draft_quant]
+    if model == "scripted":
+        root = defaults.home() / "scripted" / client
+        target, draft_dir = scripted.write_pair(root, scripted.Script(call=agents.SCRIPTED_CALLS[client]))
+        args += ["--model", str(target), "--draft", str(draft_dir), "--model-name", "scripted"]
+        return args + (["--context-size", str(context_size)] if context_size else []), "scripted", context_size or scripted.CONTEXT
+    if model == defaults.DEMO and context_size is None:
+        context_size = 65536
+    args += (["--model", model] if model else []) + (["--draft", draft] if draft else [])
+    args += ["--context-size", str(context_size)] if context_size else []
+    return args, served_name(model), context_size
+
+
+def _run_client(agents, client, url, name, context, api_key, args, binary) -> int:
+    import subprocess
+
+    launch = agents.launch(client, url, name, context, api_key, args or [], binary)
+    return subprocess.call(launch.argv, env=agents.environment(launch))
+
+
+def _server_info(url: str):
+    """The running server's model name and context limit (from /health)."""
+    import httpx
+
+    try:
+        health = httpx.get(f"{url}/health", timeout=10).json()
+    except (httpx.HTTPError, ValueError) as e:
+        _fail(f"no dflash-mlx server answers at {url}/health: {e}")
+    return health.get("model"), health.get("context_limit")
+
+
+def _wait_for(url: str, server) -> bool:
+    """Wait until the server answers /health (a first use converts the default pair: no time limit)."""
+    import httpx
+
+    while server.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    return False
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @app.command()

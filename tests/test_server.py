@@ -492,11 +492,8 @@ def test_bad_requests_get_openai_errors(server, client):
         (dict(content=b"{not json"), 400, "malformed JSON"),
         (dict(json={**good, "max_tokens": "many"}), 400, "max_tokens"),
         (dict(json={**good, "messages": "hello"}), 400, "messages"),
-        (dict(json={**good, "model": "gpt-4"}), 404, "not found"),
         (dict(json={**good, "n": 2}), 400, "only n=1"),
-        (dict(json={**good, "messages": [{"role": "user", "content": "word " * 700}]}), 400,
-         "tokens and max_tokens is 2 ("),  # the numbers: prompt tokens, max_tokens, both, the limit
-        (dict(json={**good, "messages": [{"role": "user", "content": "word " * 700}]}), 400, "the context limit is 600 tokens"),
+        (dict(json={**good, "messages": [{"role": "user", "content": "word " * 700}]}), 400, "maximum context length is 600 tokens"),
         (dict(content=b"x" * 300000), 413, "larger than"),
     ]
     for kwargs, status, message in cases:

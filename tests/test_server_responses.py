@@ -108,8 +108,8 @@ def test_max_output_tokens_inside_the_reasoning_is_incomplete(client):
 
 @pytest.mark.parametrize("options, message", [
     (dict(previous_response_id="resp_1"), "previous_response_id is not supported"),
-    (dict(tools=[{"type": "web_search"}]), "tools of type 'web_search' are not supported"),
     (dict(extra_body={"background": True}), "background"),
+    (dict(extra_body={"conversation": "conv_1"}), "conversation"),
     (dict(input=[{"type": "image_generation_call", "id": "x"}]), "input items of type 'image_generation_call'"),
 ])
 def test_what_is_not_supported_is_a_clear_400(client, options, message):

@@ -2,8 +2,9 @@
 /v1/messages``, streamed or not, and ``POST /v1/messages/count_tokens``.
 
 Messages become the chat template's: text, ``tool_use`` blocks (the assistant's calls) and
-``tool_result`` blocks (``tool`` turns), ``thinking`` blocks back as ``reasoning_content``. The
-answer comes back as content blocks: ``thinking`` (the reasoning), ``text`` and ``tool_use``.
+``tool_result`` blocks (``tool`` turns), ``thinking`` blocks back as ``reasoning_content``,
+``system`` messages in place. The answer comes back as content blocks: ``thinking`` (the
+reasoning), ``text`` and ``tool_use``. Fields and tools that do not apply: see ``fields``.
 """
 
 from __future__ import annotations
@@ -18,14 +19,20 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .engine import ContextFull, Engine, Job, collect, current_engine, job_events, note
 from .errors import APIError
+from .fields import ignored_tools_header, note_ignored
 from .tool_calls import ToolCallScanner, answer_parts
 
 router = APIRouter()
+ROUTE = "/v1/messages"
+# Blocks the template renders; others (images, documents, server tools' results) are left out, logged.
+READ_BLOCKS = {"text", "tool_use", "tool_result", "thinking", "redacted_thinking"}
+# Documented fields that do not apply to a local server: accepted, ignored with a log line.
+NOT_APPLICABLE = ("metadata", "service_tier", "context_management", "container", "inference_geo", "cache_control")
 
 
 class Block(BaseModel):
     model_config = ConfigDict(extra="allow")
-    type: Literal["text", "tool_use", "tool_result", "thinking", "redacted_thinking", "image", "document"]
+    type: str
     text: Optional[str] = None
     id: Optional[str] = None
     name: Optional[str] = None
@@ -37,26 +44,29 @@ class Block(BaseModel):
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["user", "assistant"]
+    model_config = ConfigDict(extra="allow")
+    role: Literal["user", "assistant", "system"]  # Claude Code sends system messages between the turns
     content: Union[str, List[Block]]
 
 
 class Tool(BaseModel):
     model_config = ConfigDict(extra="allow")
+    type: Optional[str] = None  # None or "custom": the client's own; others run on Anthropic's side
     name: str
     description: Optional[str] = None
     input_schema: Dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
 
 
 class CountTokensRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # clients send metadata and betas we have no use for
+    model_config = ConfigDict(extra="allow")  # the unknown-field policy: see fields
     model: str
     messages: List[Message] = Field(..., min_length=1)
     system: Optional[Union[str, List[Block]]] = None
     tools: Optional[List[Tool]] = None
     tool_choice: Optional[Dict[str, Any]] = None
     thinking: Optional[Dict[str, Any]] = None
+    output_config: Optional[Dict[str, Any]] = None
+    mcp_servers: Optional[List[Dict[str, Any]]] = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -76,13 +86,17 @@ def _text(content) -> str:
 
 
 def chat_messages(req: CountTokensRequest) -> List[Dict[str, Any]]:
-    """The conversation as the chat template takes it."""
+    """The conversation as the chat template takes it; system messages stay where they are (the
+    engine makes later ones user turns if the template refuses them there)."""
     out: List[Dict[str, Any]] = []
     if req.system:
         out.append({"role": "system", "content": _text(req.system)})
     for m in req.messages:
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
+            continue
+        if m.role == "system":
+            out.append({"role": "system", "content": _text(m.content)})
             continue
         if m.role == "user":
             text = "".join(b.text or "" for b in m.content if b.type == "text")
@@ -104,55 +118,84 @@ def chat_messages(req: CountTokensRequest) -> List[Dict[str, Any]]:
     return out
 
 
+def _hosted(req: CountTokensRequest) -> List[str]:
+    """The tools that run on Anthropic's side (web search, code execution...) and MCP servers: a
+    local server has neither, so they are left out."""
+    tools = [t.name for t in req.tools or [] if t.type not in (None, "custom")]
+    return tools + [f"mcp:{s.get('name', '?')}" for s in req.mcp_servers or []]
+
+
 def _tools(req: CountTokensRequest) -> Optional[List[Dict[str, Any]]]:
     if not req.tools or (req.tool_choice or {}).get("type") == "none":
         return None
-    return [{"type": "function", "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema}}
-            for t in req.tools]
+    tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema}}
+             for t in req.tools if t.type in (None, "custom")]
+    return tools or None
 
 
 def _thinking(req: CountTokensRequest) -> Optional[bool]:
+    """``enable_thinking`` for the template: ``enabled`` (with its budget) and ``adaptive`` (the
+    model decides, as Qwen3.5 does when it thinks) on, ``disabled`` off, none: the template's default."""
     kind = (req.thinking or {}).get("type")
-    return None if kind is None else kind == "enabled"
+    if kind is None:
+        return None
+    if kind not in ("enabled", "adaptive", "disabled"):
+        note_ignored(ROUTE, [f"thinking.type={kind}"])
+        return None
+    return kind != "disabled"
 
 
-async def _prompt(engine: Engine, req: CountTokensRequest) -> List[int]:
+def _check(req: CountTokensRequest) -> None:
+    """Refuse what cannot be honoured; log what is ignored (the unknown-field policy: see fields)."""
     choice = (req.tool_choice or {}).get("type")
     if choice not in (None, "auto", "none"):
         raise APIError(400, f"tool_choice {choice!r} is not supported: use 'auto' or 'none'", param="tool_choice")
+    if (req.output_config or {}).get("format") is not None:
+        raise APIError(400, "output_config.format (structured outputs) is not supported", param="output_config")
+    ignored = [f for f in NOT_APPLICABLE if getattr(req, f, None) is not None or f in (req.model_extra or {})]
+    ignored += [f for f in req.model_extra or {} if f not in NOT_APPLICABLE]
+    ignored += [f"output_config.{k}" for k in req.output_config or {}]
+    if (req.thinking or {}).get("budget_tokens") is not None:
+        ignored.append("thinking.budget_tokens")  # the model thinks until it closes its reasoning
+    if (req.thinking or {}).get("display") is not None:
+        ignored.append("thinking.display")
+    note_ignored(ROUTE, ignored)
+    blocks = {b.type for m in req.messages if not isinstance(m.content, str) for b in m.content} - READ_BLOCKS
+    note_ignored(ROUTE, blocks, "content blocks")
+    note_ignored(ROUTE, _hosted(req), "hosted tools")
+
+
+async def _prompt(engine: Engine, req: CountTokensRequest) -> List[int]:
+    _check(req)
     extra = {} if _thinking(req) is None else {"enable_thinking": _thinking(req)}
     return await engine.render(chat_messages(req), _tools(req), **extra)
 
 
-def _check_model(engine: Engine, name: str) -> None:
-    note(model=name)
-    if name != engine.name:
-        raise APIError(404, f"model {name!r} not found; this server serves {engine.name!r}", "not_found_error", param="model")
-
-
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(req: CountTokensRequest, engine: Engine = Depends(current_engine)):
-    _check_model(engine, req.model)
+    engine.served_name(req.model)
     prompt = await _prompt(engine, req)
     note(prompt_tokens=len(prompt))
-    return {"input_tokens": len(prompt)}
+    return JSONResponse({"input_tokens": len(prompt)}, headers=ignored_tools_header(_hosted(req)))
 
 
 @router.post("/v1/messages")
 async def messages(req: MessagesRequest, request: Request, engine: Engine = Depends(current_engine)):
-    _check_model(engine, req.model)
+    model = engine.served_name(req.model)
     prompt = await _prompt(engine, req)
     try:
         budget = engine.answer_budget(len(prompt), req.max_tokens)
-    except ContextFull as e:
-        raise APIError(400, str(e), param="messages") from e
+    except ContextFull as e:  # Anthropic's words, which Claude Code recognises (it compacts and retries)
+        raise APIError(400, f"prompt is too long: {e.prompt_tokens} tokens > {e.maximum} maximum", param="messages") from e
     job = engine.submit(prompt, dict(max_tokens=budget, stop=req.stop_sequences or [],
                                      **engine.sampling_options(req.temperature, req.top_p, req.top_k)))
     tools = _tools(req)
-    reply = _Reply(engine.name, engine.splitter(prompt), lambda: ToolCallScanner(engine.tokenizer if tools else None, tools))
+    reply = _Reply(model, engine.splitter(prompt), lambda: ToolCallScanner(engine.tokenizer if tools else None, tools))
+    headers = ignored_tools_header(_hosted(req))
     if req.stream:
-        return StreamingResponse(reply.stream(job), media_type="text/event-stream")
-    return JSONResponse(await reply.whole(job, request))
+        return StreamingResponse(reply.stream(job, len(prompt), engine.keepalive_seconds), media_type="text/event-stream",
+                                 headers=headers)
+    return JSONResponse(await reply.whole(job, request), headers=headers)
 
 
 def _stop_reason(last, calls: int) -> Optional[str]:
@@ -172,11 +215,13 @@ class _Reply:
         self.model, self.splitter, self.scanner = model, splitter, scanner
         self.id = "msg_" + uuid.uuid4().hex[:24]
 
-    def _usage(self, last, output_tokens: Optional[int] = None) -> Dict[str, int]:
-        prompt = last.prompt_tokens if last else 0
+    def _usage(self, last, prompt_tokens: int = 0) -> Dict[str, int]:
+        """Anthropic's usage: ``input_tokens`` are the prompt's tokens not read from the prefix cache.
+        Before the answer (``last`` None) the whole prompt, as far as is known then."""
+        prompt = last.prompt_tokens if last else prompt_tokens
         cached = last.cached_prompt_tokens if last else 0
         return {"input_tokens": prompt - cached, "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0,
-                "output_tokens": output_tokens if output_tokens is not None else (last.generation_tokens if last else 0)}
+                "output_tokens": last.generation_tokens if last else 0}
 
     async def whole(self, job: Job, request: Optional[Request] = None) -> Dict[str, Any]:
         text, last = await collect(job, request, "api_error")
@@ -190,15 +235,20 @@ class _Reply:
                 "stop_reason": _stop_reason(last, scanner.calls),
                 "stop_sequence": getattr(last, "stop_sequence", None) if last else None, "usage": self._usage(last)}
 
-    async def stream(self, job: Job):
-        """message_start; per block content_block_start / _delta / _stop; message_delta; message_stop."""
+    async def stream(self, job: Job, prompt_tokens: int = 0, keepalive: Optional[float] = None):
+        """message_start and a ping; per block content_block_start / _delta / _stop; message_delta
+        (with the whole usage); message_stop. A ping every ``keepalive`` seconds while nothing else
+        goes out (queued, prefilling), as Anthropic's API sends them."""
         splitter, scanner, blocks, last = self.splitter(), self.scanner(), _Blocks(), None
         try:
             yield _event("message_start", {"type": "message_start", "message": {
                 "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
-                "stop_reason": None, "stop_sequence": None, "usage": self._usage(None, 0)}})
-            async for kind, r in job_events(job, "api_error"):
-                if kind == "token":
+                "stop_reason": None, "stop_sequence": None, "usage": self._usage(None, prompt_tokens)}})
+            yield _event("ping", {"type": "ping"})
+            async for kind, r in job_events(job, "api_error", keepalive):
+                if kind == "keepalive":
+                    yield _event("ping", {"type": "ping"})
+                elif kind == "token":
                     last = r
                     for event in blocks.add(*splitter.push(r.text), scanner):
                         yield event
@@ -209,7 +259,7 @@ class _Reply:
                 yield event
             yield _event("message_delta", {"type": "message_delta", "delta": {
                 "stop_reason": _stop_reason(last, scanner.calls), "stop_sequence": getattr(last, "stop_sequence", None)},
-                "usage": {"output_tokens": last.generation_tokens if last else 0}})
+                "usage": self._usage(last, prompt_tokens)})
             yield _event("message_stop", {"type": "message_stop"})
         except APIError as e:
             yield _event("error", {"type": "error", "error": {"type": e.kind, "message": e.message}})

@@ -8,13 +8,13 @@ import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
-from typing import Any, Dict, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, Optional, Sequence, Union
 
 import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..api import DFlashModel
@@ -152,7 +152,9 @@ async def authorize(request: Request) -> None:
 
 
 def _error(request: Request, status: int, message: str, kind: str, param=None, code=None) -> JSONResponse:
-    """An error in the shape of the protocol the client spoke (Anthropic's under /v1/messages)."""
+    """An error in the shape of the protocol the client spoke (Anthropic's under /v1/messages),
+    logged: a refused request leaves a line in the server's output."""
+    LOG.warning("%s %s -> %d %s", request.method, request.url.path, status, message)
     if request.url.path.startswith("/v1/messages"):
         return JSONResponse(anthropic.error_body(status, message), status_code=status)
     return JSONResponse(error_body(message, kind, param, code), status_code=status)
@@ -187,7 +189,16 @@ def _add_error_handlers(app: FastAPI, engine: Engine) -> None:
 
 
 async def health(engine: Engine = Depends(current_engine)):
-    return {"status": "ok", "model": engine.name, "queue_depth": engine.metrics.queued}
+    return {"status": "ok", "model": engine.name, "queue_depth": engine.metrics.queued, "context_limit": engine.context_limit}
+
+
+async def root(request: Request, engine: Engine = Depends(current_engine)):
+    """``GET /`` and ``HEAD /``: clients probe the base URL before their first request (Claude Code
+    sends ``HEAD /``); a 200 says a server is there."""
+    if request.method == "HEAD":
+        return Response(status_code=200)
+    return {"name": "dflash-mlx", "model": engine.name, "endpoints": ["/v1/chat/completions", "/v1/completions",
+            "/v1/responses", "/v1/messages", "/v1/models", "/health", "/metrics"]}
 
 
 async def metrics(engine: Engine = Depends(current_engine)):
@@ -199,7 +210,7 @@ def create_app(
     tokenizer,
     model_name: str,
     api_key: Optional[str] = None,
-    max_tokens_cap: int = 4096,
+    max_tokens_cap: Optional[int] = None,
     context_limit: Optional[int] = None,
     max_request_bytes: int = 8 << 20,
     block_tokens: Union[None, int, str] = "auto",
@@ -209,17 +220,24 @@ def create_app(
     allowed_origins: Sequence[str] = ("*",),
     draft_quant: Optional[str] = None,
     memory_bytes: Optional[int] = None,
+    model_aliases: Iterable[str] = (),
+    keepalive_seconds: Optional[float] = None,
 ) -> FastAPI:
     """The server's app. ``context_limit`` defaults to the longest context that fits in memory
     (``memory_bytes``, default this machine's) beside the pair's weights (``draft_quant``: how the
     draft was quantized at load) and ``prompt_cache_bytes`` (the prefix caches kept between
-    requests), at most the target's ``max_position_embeddings``. ``sampling``: the defaults for
-    a request's temperature, top_p, top_k and min_p, over the target's generation_config.json;
-    ``chat_template_args``: for every request's chat template (the request's own win);
-    ``allowed_origins``: the origins browsers may call from (CORS; ``*``: any)."""
+    requests), at most the target's ``max_position_embeddings``. ``max_tokens_cap`` (None: none)
+    bounds every answer, which is otherwise what the request asks up to the context.
+    ``sampling``: the defaults for a request's temperature, top_p, top_k and min_p, over the
+    target's generation_config.json; ``chat_template_args``: for every request's chat template
+    (the request's own win); ``allowed_origins``: the origins browsers may call from (CORS; ``*``:
+    any); ``model_aliases``: more ids /v1/models lists (any id is served, those without a log line)."""
     engine = Engine(model, tokenizer, model_name, context_limit, max_tokens_cap, block_tokens, prompt_cache_bytes,
                     sampling=sampling, chat_template_args=chat_template_args, draft_quant=draft_quant,
                     memory_bytes=memory_bytes)
+    engine.aliases = set(model_aliases) - {model_name}
+    if keepalive_seconds is not None:
+        engine.keepalive_seconds = keepalive_seconds
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -236,6 +254,7 @@ def create_app(
     # so that a browser can read its 413). The log line is outermost: it sees every answer.
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"])
     app.add_middleware(AccessLog)
+    app.add_api_route("/", root, methods=["GET", "HEAD"], include_in_schema=False)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"], response_class=PlainTextResponse)
     app.include_router(openai.router, dependencies=[Depends(authorize)])

@@ -136,6 +136,22 @@ def sampling_defaults(folder: Optional[Path], overrides: Optional[Dict[str, Any]
 class ContextFull(ValueError):
     """A prompt that leaves no room for an answer within the context limit."""
 
+    def __init__(self, prompt_tokens: int, limit: int):
+        super().__init__(f"prompt has {prompt_tokens} tokens; the context limit is {limit} (prompt and answer together)")
+        self.prompt_tokens, self.limit = prompt_tokens, limit
+
+    @property
+    def maximum(self) -> int:
+        """The longest prompt that still leaves room for one answer token."""
+        return self.limit - 1
+
+
+# An answer's length when neither the request, the operator (--max-tokens) nor a context limit bounds it.
+UNBOUNDED_ANSWER = 4096
+# Seconds a stream may stay silent (queued, or prefilling a long prompt) before a keep-alive goes out:
+# clients give up on a silent stream (Claude Code after 300 s), Anthropic's API sends ping events.
+KEEPALIVE_SECONDS = 10.0
+
 
 # The request being answered, for its log line: the routes and the engine note what they learn
 # (model, prompt tokens, the job), app.AccessLog writes the line once the answer has gone out.
@@ -238,7 +254,7 @@ class Engine:
     template arguments win)."""
 
     def __init__(self, model: DFlashModel, tokenizer, name: str, context_limit: Optional[int] = None,
-                 max_tokens_cap: int = 4096, block_tokens: Union[None, int, str] = "auto",
+                 max_tokens_cap: Optional[int] = None, block_tokens: Union[None, int, str] = "auto",
                  prompt_cache_bytes: int = 4 << 30, sampling: Optional[Dict[str, Any]] = None,
                  chat_template_args: Optional[Dict[str, Any]] = None, draft_quant: Optional[str] = None,
                  memory_bytes: Optional[int] = None):
@@ -259,6 +275,9 @@ class Engine:
         self.prompt_caches = PromptCachePool(prompt_cache_bytes if model.pipeline is None else 0)
         self.jobs: set = set()  # submitted and not done
         self.metrics = Metrics()
+        self.aliases: set = set()  # other model ids served silently (--model-alias)
+        self.keepalive_seconds = KEEPALIVE_SECONDS
+        self._names_seen: set = set()
         # Last: the worker uses every field above.
         threading.Thread(target=self._work, name="dflash-generate", daemon=True).start()
 
@@ -268,29 +287,53 @@ class Engine:
         chosen = {k: (self.sampling[k] if v is None else v) for k, v in given.items()}
         return dict(temp=chosen["temperature"], top_p=chosen["top_p"], top_k=chosen["top_k"], min_p=chosen["min_p"])
 
+    def served_name(self, requested: Optional[str]) -> str:
+        """The model id an answer carries: the one the request asked for. Any id is served by the
+        loaded model (agents ask for names the user cannot always set: Claude Code's background
+        model, sub-agents); one that is neither the served name nor an alias is logged, once."""
+        name = requested or self.name
+        note(model=name)
+        if name != self.name and name not in self.aliases and name not in self._names_seen:
+            self._names_seen.add(name)
+            LOG.warning("model %r requested: served by %r (the only model here; --model-alias %s lists it)",
+                        name, self.name, name)
+        return name
+
     def answer_budget(self, prompt_tokens: int, requested: Optional[int]) -> int:
         """Tokens an answer may have: what was asked (or the cap), within the context limit,
         which counts the prompt and the answer together. A prompt that leaves no room for an
         answer is refused (``ContextFull``, with the numbers)."""
         note(prompt_tokens=prompt_tokens)
         limit = self.context_limit
-        budget = min(requested or self.max_tokens_cap, self.max_tokens_cap)
         if limit is not None and prompt_tokens >= limit:
-            raise ContextFull(f"the prompt has {prompt_tokens} tokens and max_tokens is {budget} ({prompt_tokens + budget} "
-                              f"in all); the context limit is {limit} tokens, prompt and answer together, and the "
-                              "prompt leaves no room for an answer")
-        return budget if limit is None else min(budget, limit - prompt_tokens)
+            raise ContextFull(prompt_tokens, limit)
+        room = None if limit is None else limit - prompt_tokens
+        bounds = [b for b in (requested, self.max_tokens_cap, room) if b is not None]
+        return min(bounds) if bounds else UNBOUNDED_ANSWER
 
     async def render(self, messages: List[Dict[str, Any]], tools=None, param: str = "messages", **template_kwargs) -> List[int]:
         """The prompt's token ids through the chat template (with the server's
         ``chat_template_args`` under the request's own), off the event loop (a long conversation
         takes a while to render and tokenize); a template error is a 400."""
         template_kwargs = {**self.chat_template_args, **template_kwargs}
+
+        def apply(messages):
+            return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                                      **template_kwargs)
+
         try:
-            ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, tools=tools,
-                                          add_generation_prompt=True, tokenize=True, **template_kwargs)
+            ids = await asyncio.to_thread(apply, messages)
         except Exception as e:
-            raise APIError(400, f"cannot apply the chat template to these messages: {e}", param=param) from e
+            late = late_system_as_user(messages)
+            if late is None:
+                raise APIError(400, f"cannot apply the chat template to these messages: {e}", param=param) from e
+            try:  # Qwen's templates take a system message only first: later ones go in as user turns, in place
+                ids = await asyncio.to_thread(apply, late)
+            except Exception:
+                raise APIError(400, f"cannot apply the chat template to these messages: {e}", param=param) from e
+            LOG.info("the chat template refused system messages after the first one (%s): sent as user turns", e)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
         return list(ids)
 
     def splitter(self, prompt_ids: List[int]) -> Callable[[], ReasoningSplitter]:
@@ -365,6 +408,16 @@ class Engine:
             job.emit("done", last)
 
 
+def late_system_as_user(messages: List[Dict[str, Any]]) -> Optional[List[Dict[str, Any]]]:
+    """The messages with every system message after the first turn as a user message, in place
+    (None if there is none): clients send them mid-conversation (Claude Code's reminders, Codex's
+    permission updates), and a template that takes one system message, first, refuses them.
+    In place rather than merged into the first: the prompt's start, and its prefix cache, stay."""
+    if not any(m.get("role") == "system" for m in messages[1:]):
+        return None
+    return [dict(m, role="user") if i > 0 and m.get("role") == "system" else m for i, m in enumerate(messages)]
+
+
 def _stop_process(reason: str, grace: float = 0.5) -> None:
     """Exit with status 1 once the failing request's answer had time to leave."""
     def stop():
@@ -380,13 +433,22 @@ def current_engine(request: Request) -> Engine:
     return request.app.state.engine
 
 
-async def job_events(job: Job, failure_kind: str = "server_error"):
+async def job_events(job: Job, failure_kind: str = "server_error", keepalive: Optional[float] = None):
     """A job's ``token`` and ``done`` events as the worker sends them; an ``error`` becomes an
     ``APIError`` (a 500, or a 503 when the server is stopping; ``failure_kind`` in the protocol's
-    words). Leaving the loop (a client gone, or the end) cancels the job."""
+    words). With ``keepalive``, a ``keepalive`` event whenever that many seconds pass without one
+    (the job waits in the queue, or prefills). Leaving the loop (a client gone, or the end)
+    cancels the job."""
     try:
         while True:
-            kind, payload = await job.queue.get()
+            if keepalive is None:
+                kind, payload = await job.queue.get()
+            else:
+                try:
+                    kind, payload = await asyncio.wait_for(job.queue.get(), keepalive)
+                except asyncio.TimeoutError:
+                    yield "keepalive", None
+                    continue
             if kind == "error":
                 raise APIError(*payload, failure_kind)
             yield kind, payload

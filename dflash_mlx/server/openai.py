@@ -97,10 +97,9 @@ def _unsupported(req: SamplingRequest) -> None:
 # ---- routes -------------------------------------------------------------------------------------
 
 
-def check_model(engine: Engine, name: str) -> None:
-    note(model=name)
-    if name != engine.name:
-        raise APIError(404, f"model {name!r} not found; this server serves {engine.name!r}", param="model", code="model_not_found")
+def check_model(engine: Engine, name: str) -> str:
+    """The id the answer carries: any id is served by the loaded model (see ``Engine.served_name``)."""
+    return engine.served_name(name)
 
 
 def options(engine: Engine, req: SamplingRequest, max_tokens: Optional[int], prompt_ids) -> Dict[str, Any]:
@@ -108,7 +107,9 @@ def options(engine: Engine, req: SamplingRequest, max_tokens: Optional[int], pro
     try:
         budget = engine.answer_budget(len(prompt_ids), max_tokens)
     except ContextFull as e:
-        raise APIError(400, str(e), param="messages", code="context_length_exceeded") from e
+        raise APIError(400, f"This model's maximum context length is {e.limit} tokens. However, your messages resulted in "
+                       f"{e.prompt_tokens} tokens. Please reduce the length of the messages.", param="messages",
+                       code="context_length_exceeded") from e
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     return dict(max_tokens=budget, seed=req.seed, stop=stop,
                 **engine.sampling_options(req.temperature, req.top_p, req.top_k, req.min_p))
@@ -116,12 +117,13 @@ def options(engine: Engine, req: SamplingRequest, max_tokens: Optional[int], pro
 
 @router.get("/v1/models")
 async def models(engine: Engine = Depends(current_engine)):
-    return {"object": "list", "data": [{"id": engine.name, "object": "model", "created": int(engine.metrics.started), "owned_by": "dflash-mlx"}]}
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": int(engine.metrics.started), "owned_by": "dflash-mlx"}
+                                       for name in [engine.name, *sorted(engine.aliases)]]}
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatRequest, request: Request, engine: Engine = Depends(current_engine)):
-    check_model(engine, req.model)
+    model = check_model(engine, req.model)
     _unsupported(req)
     messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
     tools = req.tools if req.tools and req.tool_choice != "none" else None
@@ -133,16 +135,16 @@ async def chat_completions(req: ChatRequest, request: Request, engine: Engine = 
     opts = options(engine, req, req.max_completion_tokens or req.max_tokens, prompt_ids)
     job = engine.submit(list(prompt_ids), opts)
     include_usage = bool((req.stream_options or {}).get("include_usage"))
-    reply = _Reply("chat.completion", engine.name, engine.tokenizer if tools else None, tools,
+    reply = _Reply("chat.completion", model, engine.tokenizer if tools else None, tools,
                    reasoning=engine.splitter(prompt_ids))
     if req.stream:
-        return StreamingResponse(reply.stream(job, include_usage), media_type="text/event-stream")
+        return StreamingResponse(reply.stream(job, include_usage, engine.keepalive_seconds), media_type="text/event-stream")
     return JSONResponse(await reply.whole(job, request))
 
 
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request, engine: Engine = Depends(current_engine)):
-    check_model(engine, req.model)
+    model = check_model(engine, req.model)
     _unsupported(req)
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
@@ -160,10 +162,10 @@ async def completions(req: CompletionRequest, request: Request, engine: Engine =
         raise APIError(400, "prompt token id outside the vocabulary", param="prompt")
     opts = options(engine, req, req.max_tokens or 16, prompt_ids)
     job = engine.submit(prompt_ids, opts)
-    reply = _Reply("text_completion", engine.name)
+    reply = _Reply("text_completion", model)
     if req.stream:
         include_usage = bool((req.stream_options or {}).get("include_usage"))
-        return StreamingResponse(reply.stream(job, include_usage), media_type="text/event-stream")
+        return StreamingResponse(reply.stream(job, include_usage, engine.keepalive_seconds), media_type="text/event-stream")
     return JSONResponse(await reply.whole(job, request))
 
 
@@ -187,7 +189,23 @@ def _message_dict(m: Message, index: int) -> Dict[str, Any]:
         out["role"] = "system"
     if "reasoning" in out and "reasoning_content" not in out:  # the alias some clients send back
         out["reasoning_content"] = out.pop("reasoning")
+    if out.get("tool_calls"):
+        out["tool_calls"] = [_parsed_arguments(call) for call in out["tool_calls"]]
     return out
+
+
+def _parsed_arguments(call: Dict[str, Any]) -> Dict[str, Any]:
+    """A call as the chat template takes it: OpenAI sends ``function.arguments`` as a JSON string,
+    templates iterate it as a mapping (Qwen3.5's ``arguments|items``)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        parsed = json.loads(arguments) if arguments.strip() else {}
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"tool call arguments are not JSON: {e}", param="messages") from e
+    return {**call, "function": {**function, "arguments": parsed}}
 
 
 def _openai_call(call: ToolCall) -> Dict[str, Any]:
@@ -271,15 +289,19 @@ class _Reply:
             for fragment in piece.fragments():
                 yield self._chunk({"tool_calls": [{"index": piece.index, "function": {"arguments": fragment}}]})
 
-    async def stream(self, job: Job, include_usage: bool):
+    async def stream(self, job: Job, include_usage: bool, keepalive: Optional[float] = None):
         """Server-sent events: reasoning deltas, content deltas, and each tool call as soon as its
-        block closes (its id and name, then its arguments in fragments)."""
+        block closes (its id and name, then its arguments in fragments); an SSE comment every
+        ``keepalive`` seconds while nothing else goes out (queued, prefilling)."""
         chat = self.kind == "chat.completion"
         splitter, scanner, last = self.reasoning(), ToolCallScanner(self.tokenizer, self.tools), None
         try:
             if chat:
                 yield self._chunk({"role": "assistant", "content": ""})
-            async for kind, r in job_events(job):
+            async for kind, r in job_events(job, keepalive=keepalive):
+                if kind == "keepalive":
+                    yield ": keep-alive\n\n"
+                    continue
                 if kind != "token":
                     continue
                 last = r

@@ -3,7 +3,8 @@
 ``input`` is a string or items (messages, ``function_call``, ``function_call_output``,
 ``reasoning``); the answer comes back as output items: ``reasoning``, ``message`` (output_text)
 and ``function_call``. Nothing is stored: ``previous_response_id`` is refused, clients resend the
-conversation (the prefix cache makes that cheap).
+conversation (the prefix cache makes that cheap). Function tools and ``namespace`` tools' functions
+reach the template; hosted tools and fields that do not apply: see ``fields``.
 """
 
 from __future__ import annotations
@@ -18,15 +19,24 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from .engine import ContextFull, Engine, Job, collect, current_engine, job_events, note
+from .fields import ignored_tools_header, note_ignored
 from .errors import APIError
 from ..reasoning import thinking_switch
 from .tool_calls import ToolCall, ToolCallScanner, answer_parts
 
 router = APIRouter()
+ROUTE = "/v1/responses"
+# Documented fields that do not apply to a local server: accepted, ignored with a log line.
+NOT_APPLICABLE = ("store", "include", "metadata", "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+                  "service_tier", "stream_options", "max_tool_calls", "client_metadata")
+# Documented fields whose use this server cannot honour (stored state, background runs): refused.
+REFUSED = {"conversation": "conversations are not stored here: send the whole conversation as input",
+           "prompt": "stored prompt templates are not available here: send instructions and input",
+           "background": "background responses are not supported (nothing is stored to poll)"}
 
 
 class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")  # the unknown-field policy: see fields
     model: str
     input: Union[str, List[Dict[str, Any]]]
     instructions: Optional[str] = None
@@ -48,13 +58,20 @@ class ResponsesRequest(BaseModel):
 
 
 def _unsupported(req: ResponsesRequest) -> None:
-    """Options this server cannot honour get a 400 that names them, never a silent ignore."""
+    """Options this server cannot honour get a 400 that names them; fields that do not apply are
+    ignored with a log line (see fields)."""
     if req.previous_response_id:
         raise APIError(400, "previous_response_id is not supported: this server stores no responses; send the whole "
                        "conversation as input (its prefix cache reuses what was sent before)", param="previous_response_id")
-    for tool in req.tools or []:
-        if tool.get("type") != "function":
-            raise APIError(400, f"tools of type {tool.get('type')!r} are not supported (only 'function')", param="tools")
+    extra = req.model_extra or {}
+    for field, why in REFUSED.items():
+        if extra.get(field):
+            raise APIError(400, f"{field}: {why}", param=field)
+    if extra.get("top_logprobs"):
+        raise APIError(400, "top_logprobs: logprobs are not supported", param="top_logprobs")
+    note_ignored(ROUTE, [f for f in NOT_APPLICABLE if getattr(req, f, None) is not None]
+                 + [f for f in extra if f not in NOT_APPLICABLE and f not in REFUSED])
+    note_ignored(ROUTE, _hosted(req), "hosted tools")
     if req.tool_choice not in (None, "auto", "none"):
         raise APIError(400, "tool_choice must be 'auto' or 'none'", param="tool_choice")
     fmt = (req.text or {}).get("format") or {}
@@ -67,15 +84,34 @@ def _unsupported(req: ResponsesRequest) -> None:
 def _text(content) -> str:
     if isinstance(content, str) or content is None:
         return content or ""
-    return "".join(part.get("text", "") for part in content
-                   if part.get("type") in ("input_text", "output_text", "text", "reasoning_text", "summary_text"))
+    if not isinstance(content, list):
+        raise APIError(400, "content must be a string or a list of parts", param="input")
+    return "".join(str(part.get("text") or "") for part in content if isinstance(part, dict)
+                   and part.get("type") in ("input_text", "output_text", "text", "reasoning_text", "summary_text"))
+
+
+def _leading_system(instructions: Optional[str], items: List[Dict[str, Any]]):
+    """``instructions`` and the ``system``/``developer`` messages before the first other item, as one
+    system message at the start, in order (Codex sends two developer items; Qwen's templates take
+    one system message); the items after them."""
+    texts = [instructions] if instructions else []
+    start = 0
+    for item in items:
+        if item.get("type", "message") != "message" or item.get("role") not in ("system", "developer"):
+            break
+        texts.append(_text(item.get("content")))
+        start += 1
+    texts = [t for t in texts if t]
+    return ([{"role": "system", "content": "\n\n".join(texts)}] if texts else []), items[start:]
 
 
 def chat_messages(req: ResponsesRequest) -> List[Dict[str, Any]]:
-    """The input as the chat template takes it: function calls join the assistant turn before
-    them, their outputs become tool turns, reasoning items the next answer's reasoning_content."""
-    out: List[Dict[str, Any]] = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    """The input as the chat template takes it: the instructions and leading system/developer items
+    one system message, function calls joining the assistant turn before them, their outputs tool
+    turns, reasoning items the next answer's reasoning_content. Later system/developer items stay
+    in place (the engine makes them user turns if the template refuses them there)."""
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    out, items = _leading_system(req.instructions, items)
     reasoning = None
 
     def assistant() -> Dict[str, Any]:
@@ -86,14 +122,16 @@ def chat_messages(req: ResponsesRequest) -> List[Dict[str, Any]]:
     for item in items:
         kind = item.get("type", "message")
         if kind == "message":
-            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
+            role = item.get("role")
+            role = {"developer": "system"}.get(role, role) if isinstance(role, str) else role
             if role not in ("system", "user", "assistant"):
                 raise APIError(400, f"input message role {item.get('role')!r} is not supported", param="input")
             out.append({"role": role, "content": _text(item.get("content"))})
             if role == "assistant" and reasoning:
                 out[-1]["reasoning_content"], reasoning = reasoning, None
         elif kind == "reasoning":
-            reasoning = _text(item.get("content")) or "".join(s.get("text", "") for s in item.get("summary") or [])
+            summary = item.get("summary") if isinstance(item.get("summary"), list) else []
+            reasoning = _text(item.get("content")) or "".join(str(s.get("text") or "") for s in summary if isinstance(s, dict))
         elif kind == "function_call":
             turn = assistant()
             if reasoning:
@@ -113,20 +151,44 @@ def chat_messages(req: ResponsesRequest) -> List[Dict[str, Any]]:
     return out
 
 
+def _functions(req: ResponsesRequest):
+    """The function tools, a ``namespace`` tool's functions among them: (namespace or None, tool)."""
+    for tool in req.tools or []:
+        if tool.get("type") == "function":
+            yield None, _named(tool)
+        elif tool.get("type") == "namespace":
+            inner_tools = tool.get("tools")
+            for inner in inner_tools if isinstance(inner_tools, list) else []:
+                if isinstance(inner, dict) and inner.get("type", "function") == "function":
+                    yield tool.get("name"), _named(inner)
+
+
+def _named(tool: Dict[str, Any]) -> Dict[str, Any]:
+    if not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise APIError(400, "every function tool needs a name", param="tools")
+    return tool
+
+
+def _hosted(req: ResponsesRequest) -> List[str]:
+    """Tools that are neither functions nor namespaces of functions: hosted ones (``web_search``,
+    ``file_search``, ``code_interpreter``, ``mcp``...) and grammar-bound ``custom`` tools, which
+    this server cannot run or parse: they are left out of the prompt."""
+    return [str(t.get("type")) if t.get("type") != "custom" else f"custom:{t.get('name')}" for t in req.tools or []
+            if t.get("type") not in ("function", "namespace")]
+
+
 def _tools(req: ResponsesRequest) -> Optional[List[Dict[str, Any]]]:
     if not req.tools or req.tool_choice == "none":
         return None
-    return [{"type": "function", "function": {"name": t["name"], "description": t.get("description") or "",
-                                              "parameters": t.get("parameters") or {"type": "object", "properties": {}}}}
-            for t in req.tools]
+    tools = [{"type": "function", "function": {"name": t["name"], "description": t.get("description") or "",
+                                               "parameters": t.get("parameters") or {"type": "object", "properties": {}}}}
+             for _, t in _functions(req)]
+    return tools or None
 
 
 @router.post("/v1/responses")
 async def responses(req: ResponsesRequest, request: Request, engine: Engine = Depends(current_engine)):
-    note(model=req.model)
-    if req.model != engine.name:
-        raise APIError(404, f"model {req.model!r} not found; this server serves {engine.name!r}", param="model",
-                       code="model_not_found")
+    model = engine.served_name(req.model)
     _unsupported(req)
     tools = _tools(req)
     thinking = thinking_switch(None, None, req.reasoning)
@@ -134,15 +196,19 @@ async def responses(req: ResponsesRequest, request: Request, engine: Engine = De
     prompt = await engine.render(chat_messages(req), tools, param="input", **extra)
     try:
         budget = engine.answer_budget(len(prompt), req.max_output_tokens)
-    except ContextFull as e:
-        raise APIError(400, str(e), param="input", code="context_length_exceeded") from e
+    except ContextFull as e:  # OpenAI's words and code (Codex recognises the code)
+        raise APIError(400, f"Your input exceeds the context window of this model: {e.prompt_tokens} tokens, at most "
+                       f"{e.maximum}. Please adjust your input and try again.", param="input",
+                       code="context_length_exceeded") from e
     sampling = engine.sampling_options(req.temperature, req.top_p)
     job = engine.submit(prompt, dict(max_tokens=budget, **sampling))
-    reply = _Reply(engine.name, req, engine.splitter(prompt), lambda: ToolCallScanner(engine.tokenizer if tools else None, tools),
-                   sampling)
+    namespaces = {t["name"]: space for space, t in _functions(req) if space is not None}
+    reply = _Reply(model, req, engine.splitter(prompt), lambda: ToolCallScanner(engine.tokenizer if tools else None, tools),
+                   sampling, namespaces)
+    headers = ignored_tools_header(_hosted(req))
     if req.stream:
-        return StreamingResponse(reply.stream(job), media_type="text/event-stream")
-    return JSONResponse(await reply.whole(job, request))
+        return StreamingResponse(reply.stream(job, engine.keepalive_seconds), media_type="text/event-stream", headers=headers)
+    return JSONResponse(await reply.whole(job, request), headers=headers)
 
 
 def _item_id(prefix: str) -> str:
@@ -152,11 +218,19 @@ def _item_id(prefix: str) -> str:
 class _Reply:
     """A job's events as a Responses object, whole or as its streamed events."""
 
-    def __init__(self, model: str, req: ResponsesRequest, splitter, scanner, sampling: Dict[str, Any]):
+    def __init__(self, model: str, req: ResponsesRequest, splitter, scanner, sampling: Dict[str, Any],
+                 namespaces: Optional[Dict[str, str]] = None):
         self.model, self.req, self.splitter, self.scanner = model, req, splitter, scanner
         self.sampling = sampling  # what the answer is sampled with (the request's, or the server's defaults)
         self.id, self.created = _item_id("resp"), int(time.time())
         self.sequence = 0
+        self.namespaces = namespaces or {}  # function name -> its namespace, for the calls' items
+
+    def call_item(self, call: ToolCall, status: str = "completed") -> Dict[str, Any]:
+        item = _call_item(call, status)
+        if call.name in self.namespaces:
+            item["namespace"] = self.namespaces[call.name]
+        return item
 
     def _response(self, status: str, output: List[Dict[str, Any]], last=None) -> Dict[str, Any]:
         incomplete = status == "incomplete"
@@ -179,7 +253,7 @@ class _Reply:
         output: List[Dict[str, Any]] = [_reasoning_item(_item_id("rs"), thought)] if thought else []
         if words.strip() or not (calls or output):  # an answer cut off in its reasoning has no message
             output.append(_message_item(_item_id("msg"), words.rstrip() if calls else words))
-        output += [_call_item(c) for c in calls]
+        output += [self.call_item(c) for c in calls]
         status = "incomplete" if last is not None and last.finish_reason == "length" else "completed"
         return self._response(status, output, last)
 
@@ -187,15 +261,18 @@ class _Reply:
         self.sequence += 1
         return f"event: {name}\ndata: {json.dumps({'type': name, 'sequence_number': self.sequence, **data})}\n\n"
 
-    async def stream(self, job: Job):
+    async def stream(self, job: Job, keepalive: Optional[float] = None):
         """response.created / in_progress; per output item added, its deltas, done;
-        response.completed (or incomplete) with the whole response."""
+        response.completed (or incomplete) with the whole response. An SSE comment every
+        ``keepalive`` seconds while nothing else goes out (queued, prefilling)."""
         splitter, scanner, items, last = self.splitter(), self.scanner(), _Items(self), None
         try:
             yield self._event("response.created", response=self._response("in_progress", []))
             yield self._event("response.in_progress", response=self._response("in_progress", []))
-            async for kind, r in job_events(job):
-                if kind == "token":
+            async for kind, r in job_events(job, keepalive=keepalive):
+                if kind == "keepalive":
+                    yield ": keep-alive\n\n"
+                elif kind == "token":
                     last = r
                     for event in items.add(*splitter.push(r.text), scanner):
                         yield event
@@ -285,12 +362,12 @@ class _Items:
                             content_index=0, delta=piece)
                 continue
             yield from self.close()
-            index, item = len(self.done), _call_item(piece, "in_progress")
+            index, item = len(self.done), self.reply.call_item(piece, "in_progress")
             yield event("response.output_item.added", output_index=index, item={**item, "arguments": ""})
             for fragment in piece.fragments():
                 yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=fragment)
             yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                         arguments=piece.arguments_json)
-            done = _call_item(piece)
+            done = self.reply.call_item(piece)
             yield event("response.output_item.done", output_index=index, item=done)
             self.done.append(done)

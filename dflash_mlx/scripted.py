@@ -1,0 +1,172 @@
+"""Scripted pairs: tiny targets whose answers are fixed, for running real clients (coding agents,
+editors) against ``serve`` offline, in seconds, with a context as long as an agent's first request.
+
+The target has one Gated DeltaNet layer and no attention, so a 50k-token prompt prefills in
+seconds on a CPU (an attention layer makes that minutes there), and its positions have no limit:
+``max_position_embeddings`` is set to ``context``. Its sublayers' output projections are zero, so its
+state at a token is that token's embedding, and its head maps each token of a chain to the next:
+a deterministic bigram model. What it answers is chosen by the chat template, which ends the
+generation prompt with one of three route tokens, each the start of its own chain:
+
+- ``after_tool``: the conversation holds a tool result: the model answers ``after_tool``;
+- ``tool``: a user message contains ``ask`` (and no tool result yet): the model thinks
+  ``reasoning`` and calls ``call`` (the reasoning block is open, as Qwen3.5's template leaves it);
+- ``plain``: anything else: the model answers ``plain`` (the template closed the reasoning).
+
+Each answer's text is cut into a few pieces at its tags, each piece one token added to the
+tokenizer, no piece shared between answers (a bigram model has one successor per token).
+The draft is a random DFlash draft: speculation runs, and rejects (the output is the target's).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import tiny
+
+CONTEXT = 262144  # the scripted target's positions have no limit: long enough for any agent's first request
+ROUTES = ("plain", "tool", "after_tool")
+ROUTE_TOKENS = {route: f"<|scripted_{route}|>" for route in ROUTES}
+ASK = "run the scripted tool"
+
+
+@dataclass
+class Call:
+    """A tool call as the model writes it (Qwen3.5's ``<function=...>`` format)."""
+
+    name: str
+    arguments: Sequence[Tuple[str, str]] = ()  # (parameter, value as the model writes it)
+
+    def text(self) -> str:
+        params = "".join(f"<parameter={p}>{v}</parameter>" for p, v in self.arguments)
+        return f"<tool_call><function={self.name}>{params}</function></tool_call>"
+
+
+@dataclass
+class Script:
+    plain: str = "Hello from the scripted pair."
+    reasoning: str = "The user asked for the tool."
+    call: Optional[Call] = None
+    after_tool: str = "The tool ran."
+    ask: str = ASK
+
+    def replies(self) -> Dict[str, str]:
+        out = {"plain": self.plain, "after_tool": self.after_tool}
+        if self.call is not None:
+            out["tool"] = f"{self.reasoning}</think>{self.call.text()}"
+        return out
+
+
+def template(ask: str = ASK) -> str:
+    """Qwen3.5's chat format in small, with its refusals: one system message, first, joined to the
+    tools' system turn (a later one raises "System message must be at the beginning."), tool
+    results as user turns, earlier answers with their reasoning and their calls' arguments taken
+    as a mapping (``|items``, which a JSON string fails); the generation prompt ends in a route token."""
+    ask = json.dumps(ask)
+    return (
+        "{%- set ns = namespace(tool=false, ask=false) -%}"
+        "{%- for m in messages -%}"
+        "{%- if m['role'] == 'tool' -%}{%- set ns.tool = true -%}{%- endif -%}"
+        "{%- if m['role'] == 'user' -%}"
+        "{%- if m['content'] is string -%}{%- if " + ask + " in m['content'] -%}{%- set ns.ask = true -%}{%- endif -%}"
+        "{%- else -%}{%- for p in m['content'] or [] -%}"
+        "{%- if p['text'] is defined and p['text'] is string and " + ask + " in p['text'] -%}{%- set ns.ask = true -%}{%- endif -%}"
+        "{%- endfor -%}{%- endif -%}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else none -%}"
+        "{% if tools %}<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>"
+        "{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>\n\nIf you choose to call a function ONLY reply in "
+        "the following format with NO suffix:\n\n<tool_call>\n<function=example_function_name>\n"
+        "<parameter=example_parameter_1>\nvalue_1\n</parameter>\n</function>\n</tool_call>"
+        "{% if system %}\n\n{{ system }}{% endif %}<|im_end|>\n"
+        "{% elif system %}<|im_start|>system\n{{ system }}<|im_end|>\n{% endif %}"
+        "{% for m in messages %}"
+        "{% if m['role'] == 'system' %}{% if not loop.first %}{{ raise_exception('System message must be at the beginning.') }}{% endif %}"
+        "{% elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
+        "{% else %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m['role'] == 'assistant' and m.get('reasoning_content') %}<think>\n{{ m['reasoning_content'] }}\n</think>\n\n{% endif %}"
+        "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] or [] %}{{ p['text'] or '' }}{% endfor %}{% endif %}"
+        "{% for c in m.get('tool_calls') or [] %}<tool_call>\n<function={{ c['function']['name'] }}>\n"
+        "{% for k, v in c['function']['arguments'] | items %}"
+        "<parameter={{ k }}>\n{{ v }}\n</parameter>\n{% endfor %}</function>\n</tool_call>{% endfor %}"
+        "<|im_end|>\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n"
+        "{% if ns.tool %}\n</think>\n\n" + ROUTE_TOKENS["after_tool"] +
+        "{% elif ns.ask %}" + ROUTE_TOKENS["tool"] +
+        "{% else %}\n</think>\n\n" + ROUTE_TOKENS["plain"] + "{% endif %}{% endif %}"
+    )
+
+
+def _pieces(text: str, taken: set) -> List[str]:
+    """The text cut before each tag, pieces already taken merged into the one before."""
+    out: List[str] = []
+    for piece in [p for p in re.split(r"(?=<)", text) if p]:
+        if out and (piece in taken or piece in out):
+            out[-1] += piece
+            while out[-1] in taken or out[-1] in out[:-1]:
+                if len(out) == 1:
+                    raise ValueError(f"cannot cut {text!r} into pieces no other answer uses")
+                last = out.pop()
+                out[-1] += last
+        else:
+            out.append(piece)
+    if out and out[0] in taken:
+        raise ValueError(f"the answer {text!r} begins like another one")
+    taken.update(out)
+    return out
+
+
+def write_pair(root: Path, script: Script, context: int = CONTEXT, vocab_size: int = 512) -> Tuple[Path, Path]:
+    """The scripted target (with its tokenizer and template) and a draft for it under ``root``."""
+    from tokenizers import AddedToken, Tokenizer
+
+    target_dir, draft_dir = root / "target", root / "draft"
+    taken: set = set()
+    chains = {route: _pieces(text, taken) for route, text in script.replies().items()}
+    specials = set(tiny.SPECIAL_TOKENS) | set(ROUTE_TOKENS.values())
+    added = sorted({p for pieces in chains.values() for p in pieces} - specials)
+    eos = tiny.write_tokenizer(target_dir, vocab_size - len(added), extra_special_tokens=list(ROUTE_TOKENS.values()))
+    tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+    tokenizer.add_tokens([AddedToken(p, normalized=False) for p in added])
+    tokenizer.save(str(target_dir / "tokenizer.json"))
+    config_path = target_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("chat_template", None)
+    config_path.write_text(json.dumps(config, indent=2))
+    (target_dir / "chat_template.jinja").write_text(template(script.ask))
+    over = dict(num_hidden_layers=1, layer_types=["linear_attention"], max_position_embeddings=context)
+    target_config = tiny.write_target(target_dir, tiny.target_config(vocab_size, eos_token_id=eos, **over))
+    tiny.write_draft(draft_dir, tiny.draft_config(target_config, block_size=16, target_layer_ids=[0]))
+    _script_head(target_dir, tokenizer, {route: [ROUTE_TOKENS[route], *pieces, "<|im_end|>"] for route, pieces in chains.items()})
+    return target_dir, draft_dir
+
+
+def _script_head(target_dir: Path, tokenizer, chains: Dict[str, List[str]]) -> None:
+    """Zero the sublayers' outputs and point the head of each chain's token at the next one."""
+    from safetensors.numpy import load_file, save_file
+
+    weights = load_file(str(target_dir / "model.safetensors"))
+    for name in weights:
+        if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight")) or name == "model.norm.weight":
+            weights[name] = np.zeros_like(weights[name])  # zero-centred final norm: a weight of one
+    embeddings = weights["model.embed_tokens.weight"]
+    normed = embeddings / np.sqrt((embeddings**2).mean(axis=-1, keepdims=True) + 1e-6)
+    head = np.random.default_rng(0).standard_normal(weights["lm_head.weight"].shape).astype(np.float32) * 0.01
+    before: Dict[int, List[int]] = {}  # each token's predecessors (every chain ends in <|im_end|>)
+    for chain in chains.values():
+        ids = [tokenizer.token_to_id(piece) for piece in chain]
+        if None in ids:
+            raise ValueError(f"a piece of {chain} is not one token")
+        for current, following in zip(ids, ids[1:]):
+            before.setdefault(following, []).append(current)
+    for following, currents in before.items():
+        head[following] = normed[currents].sum(axis=0)
+    weights["lm_head.weight"] = head
+    save_file(weights, str(target_dir / "model.safetensors"), metadata={"format": "pt"})
