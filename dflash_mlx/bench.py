@@ -84,6 +84,8 @@ class Run:
     block_histogram: Dict[int, int] = field(default_factory=dict)  # cycles per block size
     output: List[int] = field(default_factory=list)
     divergence: Optional[Dict] = None  # greedy: the first token that left the target alone's (``Divergence``)
+    cycle_seconds: float = 0.0  # auto: the wall time of its cycles (``BlockStats.seconds`` over the run)
+    probe_seconds: float = 0.0  # ... of which the cycles that explored (probes, shadows, optimistic choices)
 
 
 def measure(
@@ -94,6 +96,8 @@ def measure(
     kwargs = dict(sampling or {})
     if use_draft:
         kwargs["block_tokens"] = block_tokens
+    stats = model.block_stats
+    seconds, probing = stats.seconds, stats.probe_seconds
     for last in stream_generate(model, tokenizer, request, max_tokens=max_tokens, use_draft=use_draft, **kwargs):
         tokens.append(last.token)
         if last.cycles != cycles:
@@ -107,6 +111,7 @@ def measure(
         peak_memory_gb=last.peak_memory, prompt_tokens=last.prompt_tokens,
         accepted_lengths=lengths if use_draft else [],
         block_histogram=dict(last.block_histogram) if use_draft else {}, output=tokens,
+        cycle_seconds=stats.seconds - seconds, probe_seconds=stats.probe_seconds - probing,
     )
 
 
@@ -200,7 +205,8 @@ def table(rows: List[Dict], show_context: bool, mlx_lm: bool, sampled: bool, pas
     out = Table(title="dflash-mlx bench (sampled)" if sampled else "dflash-mlx bench (greedy)")
     columns = ["suite", *(["context"] if show_context else []), "block", "target tok/s", *(["mlx-lm tok/s"] if mlx_lm else []),
                "DFlash tok/s", "speedup", *(["vs mlx-lm"] if mlx_lm else []), "tokens/cycle", "acceptance",
-               "blocks used", *(["target ms/pass", "DFlash ms/pass"] if pass_ms else []), "peak GB", "identical"]
+               "blocks used", "probe time", *(["target ms/pass", "DFlash ms/pass"] if pass_ms else []), "peak GB",
+               "identical"]
     for column in columns:
         out.add_column(column, justify="right")
     for r in rows:
@@ -210,6 +216,7 @@ def table(rows: List[Dict], show_context: bool, mlx_lm: bool, sampled: bool, pas
             f"{r['baseline_tps']:.1f}", *([f"{r['mlx_lm_tps']:.1f}"] if mlx_lm else []),
             f"{r['dflash_tps']:.1f}", f"{r['speedup']:.2f}x", *([f"{r['speedup_vs_mlx_lm']:.2f}x"] if mlx_lm else []),
             f"{r['tokens_per_cycle']:.2f}", f"{r['acceptance_rate']:.0%}", describe(shares).removeprefix("blocks "),
+            "-" if r.get("probe_share") is None else f"{r['probe_share']:.1%}",
             *([f"{1e3 / r['baseline_tps']:.1f}", f"{1e3 * r['tokens_per_cycle'] / r['dflash_tps']:.1f}"] if pass_ms else []),
             f"{r['peak_memory_gb']:.2f}", "n/a" if sampled else _identical(r),
         )
@@ -452,6 +459,9 @@ def summarize(runs: List[Run]) -> List[Dict]:
             "identical": all(s.output == reference[s.prompt_index] for s in spec),
             "divergences": [{**s.divergence, "prompt_index": s.prompt_index} for s in spec if s.divergence],
             "block_shares": {str(b): n / total for b, n in sorted(histogram.items())},
+            # auto: the share of its cycles' time that went to exploring (bounded by the controller's budget)
+            "probe_share": (sum(s.probe_seconds for s in spec) / cycle_time
+                            if (cycle_time := sum(s.cycle_seconds for s in spec)) else None),
             "accepted_lengths": [n for s in spec for n in s.accepted_lengths],
         })
     return rows

@@ -158,11 +158,13 @@ def test_bench_writes_json_and_png(pair, tmp_path):
         assert r["identical"] and r["baseline_tps"] > 0 and r["dflash_tps"] > 0 and r["mlx_lm_tps"] > 0
         assert set(r) >= {"speedup", "speedup_vs_mlx_lm", "tokens_per_cycle", "acceptance_rate", "peak_memory_gb", "accepted_lengths", "block_shares"}
         assert sum(r["block_shares"].values()) == pytest.approx(1.0)
+        # auto's rows show the share of its cycles' time spent exploring; fixed sizes explore nothing
+        assert (0 <= r["probe_share"] <= 1) if r["block_tokens"] == "auto" else r["probe_share"] is None
         if r["block_tokens"] != "auto":  # the fixed size, and smaller ones only where max_tokens capped the last cycles
             sizes = {int(b) for b in r["block_shares"]}
             assert int(r["block_tokens"]) in sizes and max(sizes) == int(r["block_tokens"]), r["block_shares"]
     assert len(results["runs"]) == 2 * 2 * 5  # 2 prompts per suite x (2 baselines + 3 block settings)
-    assert "mlx-lm" in done.stdout and "vs mlx-lm" in done.stdout.replace("\n", " ")
+    assert "mlx-lm" in done.stdout and "vs mlx-lm" in done.stdout.replace("\n", " ") and "probe" in done.stdout
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "dflash-mlx bench" in done.stdout
     # The numbers say what produced them: here MLX's CPU backend with its bundled reference BLAS.

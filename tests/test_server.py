@@ -392,6 +392,10 @@ def test_metrics_show_the_block_sizes_in_use(client, server):
     lines = [l for l in httpx.get(f"{server}/metrics").text.splitlines() if l.startswith("dflash_cycles_total{")]
     sizes = {int(l.split('block_tokens="')[1].split('"')[0]): int(l.split()[-1]) for l in lines}
     assert sizes and set(sizes) <= set(range(1, 17)) and sum(sizes.values()) >= 1
+    values = {l.split("{")[0]: float(l.split()[-1]) for l in httpx.get(f"{server}/metrics").text.splitlines()
+              if l.startswith("dflash_auto_")}
+    assert 0 <= values["dflash_auto_probe_seconds_total"] <= values["dflash_auto_cycle_seconds_total"]
+    assert values["dflash_auto_cycle_seconds_total"] > 0
 
 
 def test_metrics_account_for_the_prompt_cache(client, server):

@@ -202,7 +202,7 @@ async def root(request: Request, engine: Engine = Depends(current_engine)):
 
 
 async def metrics(engine: Engine = Depends(current_engine)):
-    return PlainTextResponse(engine.metrics.prometheus(engine.name, engine.prompt_caches.budget_bytes))
+    return PlainTextResponse(engine.metrics.prometheus(engine.name, engine.prompt_caches.budget_bytes, engine.model.block_stats))
 
 
 def create_app(

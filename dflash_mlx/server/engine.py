@@ -190,7 +190,9 @@ class Metrics:
             self.totals.add(last)
             self.last_tps = last.generation_tps
 
-    def prometheus(self, model: str, prompt_cache_budget: int) -> str:
+    def prometheus(self, model: str, prompt_cache_budget: int, block_stats=None) -> str:
+        """The metrics in Prometheus' text format; ``block_stats`` (the pair's ``BlockStats``) adds
+        the block-size controller's time: its cycles and the share of them spent exploring."""
         t = self.totals
         rows = [
             ("dflash_requests_total", "counter", "Completed generation requests", t.runs),
@@ -210,6 +212,14 @@ class Metrics:
             ("dflash_tokens_per_cycle", "gauge", "Committed tokens per target step", t.tokens_per_cycle),
             ("dflash_acceptance_rate", "gauge", "Accepted share of drafted tokens", t.acceptance_rate),
         ]
+        if block_stats is not None:
+            rows += [
+                ("dflash_auto_cycle_seconds_total", "counter", "Wall time of the cycles block_tokens=auto chose",
+                 block_stats.seconds),
+                ("dflash_auto_probe_seconds_total", "counter",
+                 "Of which cycles that explored (probes, shadows, optimistic choices), within the controller's time budget",
+                 block_stats.probe_seconds),
+            ]
         out = []
         for name, kind, doc, value in rows:
             out += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f'{name}{{model="{model}"}} {value}']
