@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from dflash_mlx import scripted, tiny
 from dflash_mlx.server.anthropic import MessagesRequest, _thinking
 from dflash_mlx.server.engine import ContextFull, Engine
-from tests.test_server import start_server
+from tests.test_server import server_log, start_server
 
 CONTEXT = 8192
 SCRIPT = scripted.Script(call=scripted.Call("spawn_agent", [("message", "look around")]))
@@ -206,15 +206,34 @@ def test_refusals_and_ignored_fields_leave_a_line_in_the_servers_output(tmp_path
         httpx.post(f"{url}/v1/messages", json={"model": "claude-haiku-4-5-20251001", **ask}, timeout=120)
         httpx.post(f"{url}/v1/messages", json={**CLAUDE, "stream": False}, timeout=120)
         httpx.post(f"{url}/v1/responses", json={**CODEX, "stream": False}, timeout=120)
+        httpx.post(f"{url}/v1/chat/completions", json={"model": "scripted", "max_tokens": 2, "store": False,
+                                                       "made_up_field": 1, "messages": ask["messages"]}, timeout=120)
     finally:
         process.terminate()
-        output = process.communicate(timeout=15)[0]
+        process.wait(15)
+        output = server_log(process)
+        process.log.unlink(missing_ok=True)
     assert "POST /v1/responses -> 400 previous_response_id is not supported" in output
     assert "/v1/messages: ignored fields: made_up_field" in output
     assert "/v1/responses: ignored fields: client_metadata, include, prompt_cache_key, store" in output
     assert "/v1/messages: ignored hosted tools: web_search" in output
+    assert "/v1/chat/completions: ignored fields: made_up_field, store" in output
     assert "model 'claude-haiku-4-5-20251001' requested: served by 'scripted'" in output
     assert "'claude-haiku-4-5' requested" not in output  # an alias is served silently
+
+
+@pytest.mark.parametrize("field, value", [("made_up_field", 1), ("store", False), ("metadata", {"a": "b"})])
+def test_chat_completions_accept_fields_that_do_not_apply(server, field, value):
+    body = {"model": "scripted", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], field: value}
+    assert httpx.post(f"{server[0]}/v1/chat/completions", json=body, timeout=120).status_code == 200
+
+
+@pytest.mark.parametrize("field, value", [("logit_bias", {"5": 10}), ("modalities", ["text", "audio"]),
+                                          ("prediction", {"type": "content", "content": "x"})])
+def test_chat_completions_refuse_fields_that_would_change_the_answer(server, field, value):
+    body = {"model": "scripted", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], field: value}
+    r = httpx.post(f"{server[0]}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
 def test_answers_are_as_long_as_the_client_asks_up_to_the_context():

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..api import GenerationResponse, encode_prompt
 from .engine import ContextFull, Engine, Job, collect, current_engine, job_events, note
+from .fields import note_ignored
 from .errors import APIError, error_body
 from ..reasoning import ReasoningSplitter, thinking_switch
 from .tool_calls import ToolCall, ToolCallScanner, split_text_and_calls
@@ -37,7 +38,7 @@ class Message(BaseModel):
 
 
 class SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")  # the unknown-field policy: see fields
     model: str
     max_tokens: Optional[int] = Field(None, ge=1)
     # Left out: the server's defaults (its --temp/--top-p/--top-k/--min-p, else the target's
@@ -77,8 +78,30 @@ class CompletionRequest(SamplingRequest):
     logprobs: Optional[int] = None
 
 
-def _unsupported(req: SamplingRequest) -> None:
-    """Options we cannot honour get a 400, never a silent ignore."""
+# Documented fields that do not apply to a local server: accepted, ignored with a log line.
+NOT_APPLICABLE = ("user", "store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
+                  "safety_identifier", "parallel_tool_calls", "web_search_options", "verbosity")
+# Documented fields whose use would change what the answer means: refused, naming the field.
+REFUSED = {"logit_bias": "token biases are not supported (they would change the target's distribution)",
+           "top_logprobs": "logprobs are not supported",
+           "audio": "audio output is not supported",
+           "prediction": "predicted outputs are not supported",
+           "functions": "the legacy functions field is not supported: send tools",
+           "best_of": "best_of is not supported (only one completion is generated)"}
+
+
+def _unsupported(req: SamplingRequest, route: str) -> None:
+    """Options we cannot honour get a 400 that names them, never a silent ignore; fields that do
+    not apply, and fields OpenAI does not document, are ignored with a log line (see fields)."""
+    extra = req.model_extra or {}
+    for field, why in REFUSED.items():
+        if extra.get(field):
+            raise APIError(400, f"{field}: {why}", param=field, code="unsupported_parameter")
+    if any(m != "text" for m in extra.get("modalities") or ()):
+        raise APIError(400, "only text output is supported (modalities ['text'])", param="modalities",
+                       code="unsupported_parameter")
+    note_ignored(route, [f for f in NOT_APPLICABLE if getattr(req, f, None) is not None or f in extra]
+                 + [f for f in extra if f not in NOT_APPLICABLE and f not in REFUSED and f != "modalities"])
     checks = [
         (req.n != 1, "n", "only n=1 is supported"),
         (req.presence_penalty != 0 or req.frequency_penalty != 0, "presence_penalty", "penalties are not supported (they would change the target's distribution)"),
@@ -124,7 +147,7 @@ async def models(engine: Engine = Depends(current_engine)):
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatRequest, request: Request, engine: Engine = Depends(current_engine)):
     model = check_model(engine, req.model)
-    _unsupported(req)
+    _unsupported(req, "/v1/chat/completions")
     messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
     tools = req.tools if req.tools and req.tool_choice != "none" else None
     template_kwargs = dict(req.chat_template_kwargs or {})
@@ -145,7 +168,7 @@ async def chat_completions(req: ChatRequest, request: Request, engine: Engine = 
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request, engine: Engine = Depends(current_engine)):
     model = check_model(engine, req.model)
-    _unsupported(req)
+    _unsupported(req, "/v1/completions")
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         if len(prompt) != 1:
