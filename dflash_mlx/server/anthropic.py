@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .engine import ContextFull, Engine, Job, collect, current_engine, job_events, note
 from .errors import APIError
-from .fields import ignored_tools_header, note_ignored
+from .fields import IgnoredFields, ignored_tools_header
 from .tool_calls import ToolCallScanner, answer_parts
 
 router = APIRouter()
@@ -140,12 +140,11 @@ def _thinking(req: CountTokensRequest) -> Optional[bool]:
     if kind is None:
         return None
     if kind not in ("enabled", "adaptive", "disabled"):
-        note_ignored(ROUTE, [f"thinking.type={kind}"])
-        return None
+        return None  # logged by _check
     return kind != "disabled"
 
 
-def _check(req: CountTokensRequest) -> None:
+def _check(req: CountTokensRequest, ignored_fields: IgnoredFields) -> None:
     """Refuse what cannot be honoured; log what is ignored (the unknown-field policy: see fields)."""
     choice = (req.tool_choice or {}).get("type")
     if choice not in (None, "auto", "none"):
@@ -159,14 +158,16 @@ def _check(req: CountTokensRequest) -> None:
         ignored.append("thinking.budget_tokens")  # the model thinks until it closes its reasoning
     if (req.thinking or {}).get("display") is not None:
         ignored.append("thinking.display")
-    note_ignored(ROUTE, ignored)
+    if (req.thinking or {}).get("type") not in (None, "enabled", "adaptive", "disabled"):
+        ignored.append(f"thinking.type={req.thinking['type']}")
+    ignored_fields.note(ROUTE, ignored)
     blocks = {b.type for m in req.messages if not isinstance(m.content, str) for b in m.content} - READ_BLOCKS
-    note_ignored(ROUTE, blocks, "content blocks")
-    note_ignored(ROUTE, _hosted(req), "hosted tools")
+    ignored_fields.note(ROUTE, blocks, "content blocks")
+    ignored_fields.note(ROUTE, _hosted(req), "hosted tools")
 
 
 async def _prompt(engine: Engine, req: CountTokensRequest) -> List[int]:
-    _check(req)
+    _check(req, engine.ignored_fields)
     extra = {} if _thinking(req) is None else {"enable_thinking": _thinking(req)}
     return await engine.render(chat_messages(req), _tools(req), **extra)
 

@@ -33,6 +33,7 @@ from ..pipeline import PeerLost
 from ..prompt_cache import PromptCachePool
 from ..reasoning import START, ReasoningSplitter, opens_reasoning
 from .errors import APIError
+from .fields import IgnoredFields
 
 LOG = logging.getLogger("dflash_mlx.server")
 
@@ -286,6 +287,7 @@ class Engine:
         self.jobs: set = set()  # submitted and not done
         self.metrics = Metrics()
         self.aliases: set = set()  # other model ids served silently (--model-alias)
+        self.ignored_fields = IgnoredFields()  # what requests sent that is ignored, logged once per route at WARNING
         self.keepalive_seconds = KEEPALIVE_SECONDS
         self._names_seen: set = set()
         # Last: the worker uses every field above.

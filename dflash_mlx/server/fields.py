@@ -23,18 +23,24 @@ from typing import Dict, Iterable, Optional
 
 LOG = logging.getLogger("dflash_mlx.server")
 IGNORED_TOOLS_HEADER = "x-dflash-ignored-tools"
-_warned: set = set()
 
 
-def note_ignored(route: str, fields: Iterable[str], what: str = "fields") -> None:
-    """Log the ``fields`` of a request to ``route`` that the server ignores."""
-    fields = sorted({str(f) for f in fields})
-    if not fields:
-        return
-    new = [f for f in fields if (route, what, f) not in _warned]
-    _warned.update((route, what, f) for f in new)
-    level = logging.WARNING if new else logging.INFO
-    LOG.log(level, "%s: ignored %s: %s (see docs/server.md, unknown fields)", route, what, ", ".join(fields))
+class IgnoredFields:
+    """The server's log of what requests sent that it ignores (one per engine): INFO each time,
+    WARNING the first time a route sees a field, so that the default output says it once."""
+
+    def __init__(self):
+        self.seen: set = set()
+
+    def note(self, route: str, fields: Iterable[str], what: str = "fields") -> None:
+        """Log the ``fields`` of a request to ``route`` that the server ignores."""
+        fields = sorted({str(f) for f in fields})
+        if not fields:
+            return
+        new = [f for f in fields if (route, what, f) not in self.seen]
+        self.seen.update((route, what, f) for f in new)
+        level = logging.WARNING if new else logging.INFO
+        LOG.log(level, "%s: ignored %s: %s (see docs/server.md, unknown fields)", route, what, ", ".join(fields))
 
 
 def ignored_tools_header(names: Iterable[str]) -> Optional[Dict[str, str]]:

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..api import GenerationResponse, encode_prompt
 from .engine import ContextFull, Engine, Job, collect, current_engine, job_events, note
-from .fields import note_ignored
+from .fields import IgnoredFields
 from .errors import APIError, error_body
 from ..reasoning import ReasoningSplitter, thinking_switch
 from .tool_calls import ToolCall, ToolCallScanner, split_text_and_calls
@@ -90,7 +90,7 @@ REFUSED = {"logit_bias": "token biases are not supported (they would change the 
            "best_of": "best_of is not supported (only one completion is generated)"}
 
 
-def _unsupported(req: SamplingRequest, route: str) -> None:
+def _unsupported(req: SamplingRequest, route: str, ignored_fields: IgnoredFields) -> None:
     """Options we cannot honour get a 400 that names them, never a silent ignore; fields that do
     not apply, and fields OpenAI does not document, are ignored with a log line (see fields)."""
     extra = req.model_extra or {}
@@ -100,7 +100,7 @@ def _unsupported(req: SamplingRequest, route: str) -> None:
     if any(m != "text" for m in extra.get("modalities") or ()):
         raise APIError(400, "only text output is supported (modalities ['text'])", param="modalities",
                        code="unsupported_parameter")
-    note_ignored(route, [f for f in NOT_APPLICABLE if getattr(req, f, None) is not None or f in extra]
+    ignored_fields.note(route, [f for f in NOT_APPLICABLE if getattr(req, f, None) is not None or f in extra]
                  + [f for f in extra if f not in NOT_APPLICABLE and f not in REFUSED and f != "modalities"])
     checks = [
         (req.n != 1, "n", "only n=1 is supported"),
@@ -147,7 +147,7 @@ async def models(engine: Engine = Depends(current_engine)):
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatRequest, request: Request, engine: Engine = Depends(current_engine)):
     model = check_model(engine, req.model)
-    _unsupported(req, "/v1/chat/completions")
+    _unsupported(req, "/v1/chat/completions", engine.ignored_fields)
     messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
     tools = req.tools if req.tools and req.tool_choice != "none" else None
     template_kwargs = dict(req.chat_template_kwargs or {})
@@ -168,7 +168,7 @@ async def chat_completions(req: ChatRequest, request: Request, engine: Engine = 
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request, engine: Engine = Depends(current_engine)):
     model = check_model(engine, req.model)
-    _unsupported(req, "/v1/completions")
+    _unsupported(req, "/v1/completions", engine.ignored_fields)
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         if len(prompt) != 1:

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from .engine import ContextFull, Engine, Job, collect, current_engine, job_events, note
-from .fields import ignored_tools_header, note_ignored
+from .fields import IgnoredFields, ignored_tools_header
 from .errors import APIError
 from ..reasoning import thinking_switch
 from .tool_calls import ToolCall, ToolCallScanner, answer_parts
@@ -57,7 +57,7 @@ class ResponsesRequest(BaseModel):
     truncation: Optional[str] = None
 
 
-def _unsupported(req: ResponsesRequest) -> None:
+def _unsupported(req: ResponsesRequest, ignored_fields: IgnoredFields) -> None:
     """Options this server cannot honour get a 400 that names them; fields that do not apply are
     ignored with a log line (see fields)."""
     if req.previous_response_id:
@@ -69,9 +69,9 @@ def _unsupported(req: ResponsesRequest) -> None:
             raise APIError(400, f"{field}: {why}", param=field)
     if extra.get("top_logprobs"):
         raise APIError(400, "top_logprobs: logprobs are not supported", param="top_logprobs")
-    note_ignored(ROUTE, [f for f in NOT_APPLICABLE if getattr(req, f, None) is not None]
+    ignored_fields.note(ROUTE, [f for f in NOT_APPLICABLE if getattr(req, f, None) is not None]
                  + [f for f in extra if f not in NOT_APPLICABLE and f not in REFUSED])
-    note_ignored(ROUTE, _hosted(req), "hosted tools")
+    ignored_fields.note(ROUTE, _hosted(req), "hosted tools")
     if req.tool_choice not in (None, "auto", "none"):
         raise APIError(400, "tool_choice must be 'auto' or 'none'", param="tool_choice")
     fmt = (req.text or {}).get("format") or {}
@@ -189,7 +189,7 @@ def _tools(req: ResponsesRequest) -> Optional[List[Dict[str, Any]]]:
 @router.post("/v1/responses")
 async def responses(req: ResponsesRequest, request: Request, engine: Engine = Depends(current_engine)):
     model = engine.served_name(req.model)
-    _unsupported(req)
+    _unsupported(req, engine.ignored_fields)
     tools = _tools(req)
     thinking = thinking_switch(None, None, req.reasoning)
     extra = {} if thinking is None else {"enable_thinking": thinking}
