@@ -149,7 +149,21 @@ def write_pair(root: Path, script: Script, context: int = CONTEXT, vocab_size: i
 
 
 def _script_head(target_dir: Path, tokenizer, chains: Dict[str, List[str]]) -> None:
-    """Zero the sublayers' outputs and point the head of each chain's token at the next one."""
+    """Point the head of each chain's token at the next one (chains of single-token pieces)."""
+    id_chains = []
+    for chain in chains.values():
+        ids = [tokenizer.token_to_id(piece) for piece in chain]
+        if None in ids:
+            raise ValueError(f"a piece of {chain} is not one token")
+        id_chains.append(ids)
+    point_head(target_dir, id_chains)
+
+
+def point_head(target_dir: Path, chains: List[List[int]]) -> None:
+    """Make a target folder's model follow token chains: the sublayers' outputs zeroed, so the
+    last hidden state is the (normalised) embedding of the token just fed, and the head row of
+    each token set to the embeddings of the tokens it follows (every token then predicts its
+    successor in the chains, greedy and near-certain)."""
     from safetensors.numpy import load_file, save_file
 
     weights = load_file(str(target_dir / "model.safetensors"))
@@ -159,11 +173,8 @@ def _script_head(target_dir: Path, tokenizer, chains: Dict[str, List[str]]) -> N
     embeddings = weights["model.embed_tokens.weight"]
     normed = embeddings / np.sqrt((embeddings**2).mean(axis=-1, keepdims=True) + 1e-6)
     head = np.random.default_rng(0).standard_normal(weights["lm_head.weight"].shape).astype(np.float32) * 0.01
-    before: Dict[int, List[int]] = {}  # each token's predecessors (every chain ends in <|im_end|>)
-    for chain in chains.values():
-        ids = [tokenizer.token_to_id(piece) for piece in chain]
-        if None in ids:
-            raise ValueError(f"a piece of {chain} is not one token")
+    before: Dict[int, List[int]] = {}  # each token's predecessors
+    for ids in chains:
         for current, following in zip(ids, ids[1:]):
             before.setdefault(following, []).append(current)
     for following, currents in before.items():

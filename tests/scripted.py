@@ -12,10 +12,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
-from safetensors.numpy import load_file, save_file
-
 from dflash_mlx import tiny
+from dflash_mlx.scripted import point_head
 
 # Qwen3.5's chat format (see the published template): tools in a system turn, the generation
 # prompt opens <think>, enable_thinking=False closes it empty, earlier answers carry their
@@ -56,17 +54,7 @@ def write_scripted_pair(root: Path, reply: str, template: str = QWEN35_TEMPLATE,
     chain = newline[-1:] + tokenizer.encode(reply, add_special_tokens=False).ids + end
     if len(set(chain[1:])) != len(chain) - 1 or chain[0] in chain[1:-1]:
         raise ValueError(f"the reply's tokens repeat (or use the prompt's last one): {chain}")
-    weights = load_file(str(target_dir / "model.safetensors"))
-    for name in weights:
-        if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight")) or name == "model.norm.weight":
-            weights[name] = np.zeros_like(weights[name])  # zero-centred final norm: a weight of one
-    embeddings = weights["model.embed_tokens.weight"]
-    normed = embeddings / np.sqrt((embeddings**2).mean(axis=-1, keepdims=True) + 1e-6)
-    head = np.random.default_rng(0).standard_normal(weights["lm_head.weight"].shape).astype(np.float32) * 0.01
-    for current, following in zip(chain, chain[1:]):
-        head[following] = normed[current]
-    weights["lm_head.weight"] = head
-    save_file(weights, str(target_dir / "model.safetensors"), metadata={"format": "pt"})
+    point_head(target_dir, [chain])
     return target_dir, draft_dir
 
 
