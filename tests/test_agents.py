@@ -23,7 +23,7 @@ from dflash_mlx import agents, scripted
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(os.environ.get("DFLASH_MLX_AGENTS", ROOT / ".agents")) / "node_modules" / ".bin"
-pytestmark = pytest.mark.agents
+pytestmark = [pytest.mark.agents, pytest.mark.slow]  # the real clients, one server each
 
 
 def namespace() -> list:

@@ -96,6 +96,7 @@ def test_chat_turns_reuse_the_cache_and_reset_forgets(pair):
     assert child.exitstatus == 0
 
 
+@pytest.mark.slow  # a chat session in a pseudo-terminal
 def test_ctrl_c_stops_the_answer_and_keeps_the_session(pair):
     child = spawn_chat(pair, "--max-tokens", "100000", "--temp", "0.8", "--seed", "1")
     child.sendline("tell me everything")
@@ -130,6 +131,7 @@ def test_a_follow_up_turn_equals_a_fresh_run_on_the_whole_conversation(pair):
     assert_lossless(model.target, mx.array(prompt), fresh, session.last_tokens)
 
 
+@pytest.mark.slow  # several CLI subprocesses
 def test_generate_json_and_stdin(pair):
     target, draft = pair
     done = cli("generate", "-m", str(target), "-d", str(draft), "--max-tokens", "12", "--json", "--no-chat-template", input="class Stack:")
@@ -141,6 +143,7 @@ def test_generate_json_and_stdin(pair):
     assert json.loads(alone.stdout)["tokens"] == record["tokens"]
 
 
+@pytest.mark.slow  # a whole bench in a subprocess
 def test_bench_writes_json_and_png(pair, tmp_path):
     target, draft = pair
     done = cli(
@@ -173,6 +176,7 @@ def test_bench_writes_json_and_png(pair, tmp_path):
     assert "reference BLAS" in done.stderr
 
 
+@pytest.mark.slow  # a whole bench in a subprocess
 def test_bench_context_sizes_and_real_file_context(pair):
     from dflash_mlx.bench import file_context, parse_context_sizes, with_context
 
@@ -225,6 +229,7 @@ def test_error_paths_are_one_clear_line(pair, tmp_path, command):
     assert done.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"error: {cases[0][1]}"), done.stderr
 
 
+@pytest.mark.slow  # several CLI subprocesses
 def test_debug_mode_re_raises_with_the_traceback(tmp_path):
     """DFLASH_MLX_DEBUG=1: the same bad input shows the exception and its traceback, for reports."""
     args = ("generate", "-m", str(tmp_path / "missing"), "-p", "x")

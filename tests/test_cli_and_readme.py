@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -35,6 +37,7 @@ def test_readme_first_command_after_install_is_the_demo_and_runs_offline():
         assert "import json" in done.stdout, done.stdout
 
 
+@pytest.mark.slow  # writes a pair and runs the CLI three times
 def test_readme_quick_start_runs_as_written(tmp_path):
     readme = (ROOT / "README.md").read_text()
     assert "python examples/quickstart.py /tmp/dflash-tiny" in readme

@@ -130,6 +130,7 @@ def test_legacy_draft_with_mask_on_a_real_token_is_loudly_flagged(hub, tmp_path)
     assert "WARNING: 2 suspicious fit(s)" in done.stderr
 
 
+@pytest.mark.slow  # converts and quantizes checkpoints through the fake hub
 def test_converted_drafts_load_and_are_lossless_w4_smaller(hub, tmp_path, world):
     _, local_target = world
     plain, w4 = tmp_path / "plain", tmp_path / "w4"
@@ -146,6 +147,7 @@ def test_converted_drafts_load_and_are_lossless_w4_smaller(hub, tmp_path, world)
         assert got == expected
 
 
+@pytest.mark.slow  # serves a fake hub and interrupts downloads
 def test_offline_and_resumed_downloads(hub, tmp_path):
     hub.break_after[("z-lab/Qwen3.5-9B-DFlash", "model.safetensors")] = 1000
     broken = run_cli(hub, tmp_path, "--out", str(tmp_path / "a"))

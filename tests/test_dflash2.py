@@ -122,6 +122,7 @@ def small_dflash2_pair(tmp_path_factory):
     return target, draft.bind(target)
 
 
+@pytest.mark.slow  # chi-square over sampled runs
 def test_sampling_with_the_sparse_q_follows_the_target(small_dflash2_pair):
     target, draft = small_dflash2_pair
     sampler = test_sampling.SAMPLERS[0]
@@ -130,6 +131,7 @@ def test_sampling_with_the_sparse_q_follows_the_target(small_dflash2_pair):
     assert pvalue > 1e-3, f"DFlash2 samples do not follow the target (chi-square p={pvalue:.2g})"
 
 
+@pytest.mark.slow  # chi-square over sampled runs
 def test_a_wrong_q_is_caught(small_dflash2_pair, monkeypatch):
     """Negative control: the rejection rule told a q the tokens were not drawn from (sharpened)."""
     target, draft = small_dflash2_pair

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import mlx.core as mx
+import pytest
 
 from dflash_mlx import device, doctor, kernels
 from dflash_mlx.api import load, stream_generate
@@ -27,6 +28,7 @@ def test_doctor_on_this_machine_says_what_it_cannot_check():
         assert "not checked: no Metal GPU here" in done.stdout
 
 
+@pytest.mark.slow  # a doctor subprocess
 def test_doctor_says_a_pair_does_not_fit_and_exits_non_zero():
     done = cli("doctor", "--model", "demo", "--memory-gb", "0.004", "--probe-tokens", "0")
     assert done.returncode == 1, done.stdout

@@ -85,6 +85,7 @@ def test_greedy_is_lossless_on_the_emulated_metal_path(mac_pair, prompts):
     assert report and set(report.values()) == {"ok"}, report  # the kernels ran; none fell back
 
 
+@pytest.mark.slow  # every kernel call runs in the C++ emulator
 @FLOAT32
 def test_changing_blocks_are_lossless_on_the_emulated_metal_path(mac_pair, prompts):
     """Sizes chosen per cycle (scripted through 1 with shadows, and the auto controller): greedy
@@ -125,12 +126,14 @@ def check_every_acceptance_length(target, prompts, block=4):
     return seen
 
 
+@pytest.mark.slow  # every kernel call runs in the C++ emulator
 @BFLOAT16
 def test_every_acceptance_length_is_lossless_on_the_emulated_metal_path(mac_pair, prompts):
     target, _, _ = mac_pair
     assert check_every_acceptance_length(target, prompts) == set(range(4))
 
 
+@pytest.mark.slow  # every kernel call runs in the C++ emulator
 @FLOAT32
 def test_rollback_state_on_the_emulated_metal_path(mac_pair, prompts):
     """Wherever a stream stops, the caches equal those of feeding the committed tokens directly."""
@@ -145,6 +148,7 @@ def test_rollback_state_on_the_emulated_metal_path(mac_pair, prompts):
         assert_caches_hold_the_committed_tokens(target, cache, prompt, committed[:-1], tolerance, f"cycle {cycles}")
 
 
+@pytest.mark.slow  # chi-square through the emulator
 def test_sampling_follows_the_target_on_the_emulated_metal_path(tmp_path_factory):
     """The chi-square test of test_sampling, on a small-vocabulary pair with small heads (the
     emulator runs every GPU thread: 256 of them per call here). A quarter of the rule's samples:
@@ -161,6 +165,7 @@ def test_sampling_follows_the_target_on_the_emulated_metal_path(tmp_path_factory
     assert set(kernels_used(target).values()) == {"ok"}
 
 
+@pytest.mark.slow  # builds mutated kernels in the emulator
 @pytest.mark.parametrize("mutation", ["wrong gate (first step's for all)", "dropped barrier before overwriting k/q"])
 def test_a_mutated_kernel_fails_the_lossless_test(hf_target_dir, mutation, prompts):
     """Without its self-check, a broken .metal file breaks losslessness end to end (the oracle
@@ -182,6 +187,7 @@ def _self_check_warnings(caught) -> list:
     return [w for w in caught if issubclass(w.category, RuntimeWarning) and "failed its self-check" in str(w.message)]
 
 
+@pytest.mark.slow  # builds kernels in the emulator
 @pytest.mark.parametrize("failure", ["compile error", "wrong output"])
 def test_a_recurrence_kernel_that_fails_its_self_check_falls_back_to_mlx_lms_kernel(hf_target_dir, tmp_path, failure,
                                                                                       prompts, monkeypatch):
@@ -276,6 +282,7 @@ def small_prompts():
     return random_prompts(3, SMALL_VOCAB, seed=8)
 
 
+@pytest.mark.slow  # every matmul runs in the C++ emulator
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_pairs_are_lossless_through_the_verify_kernel(bf16_target_dir, tmp_path, bits, small_prompts):
     """Greedy output of a w4 (w8) target with a w4 (w8) draft equals the target alone at blocks
@@ -289,6 +296,7 @@ def test_quantized_pairs_are_lossless_through_the_verify_kernel(bf16_target_dir,
     assert {1, 2, 4, 8} <= rows and set(report.values()) == {"ok"}, report  # decode, and blocks 2, 4 and 8
 
 
+@pytest.mark.slow  # builds a mutated kernel in the emulator
 def test_a_mutated_verify_kernel_fails_the_lossless_test(bf16_target_dir, tmp_path, small_prompts):
     """Rows past the first reading the first row's input: decode steps (one row) stay right,
     verify blocks go wrong, and speculative output leaves the target's."""

@@ -81,6 +81,7 @@ def test_bad_lookahead_options_are_refused(flags, message, tmp_path):
     assert not (tmp_path / "w").exists()  # refused before any work
 
 
+@pytest.mark.slow  # trains a few rounds
 def test_lookahead_rounds_parse_and_weight_the_heads(build, tmp_path):
     from safetensors.numpy import load_file
 

@@ -208,6 +208,7 @@ def test_moe_every_acceptance_length_and_rollback(moe, prompts, block):
     assert seen == set(range(block))
 
 
+@pytest.mark.slow  # chi-square over sampled runs
 def test_moe_sampling_follows_the_target(tmp_path_factory):
     from tests import test_sampling
 

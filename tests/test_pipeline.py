@@ -29,6 +29,8 @@ from tests.conftest import VOCAB, make_hf_moe_target, random_prompts
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = [sys.executable, str(ROOT / "tests" / "pipeline_worker.py")]
 
+pytestmark = pytest.mark.slow  # several processes (pipeline ranks) per test
+
 
 def free_ports(n: int) -> list:
     sockets = [socket.socket() for _ in range(n)]

@@ -107,6 +107,7 @@ def test_a_different_prompt_or_model_starts_over(pair):
     assert last.cached_prompt_tokens == 0  # the cache was the speculative pair's, with a draft cache
 
 
+@pytest.mark.slow  # prefills prompts up to 8192 tokens
 @pytest.mark.parametrize("length", [2048, 8192])
 def test_an_edit_anywhere_reuses_all_but_at_most_l_over_c_tokens(pair, length):
     """The editor case: one token changed at 90%, 50% and 10% of a long prompt (in that order, so

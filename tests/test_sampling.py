@@ -118,6 +118,7 @@ def goodness_of_fit(counts, expected_probs):
 SAMPLERS = [Sampler(temperature=1.0), Sampler(temperature=0.8, top_p=0.9, top_k=6, min_p=0.02)]
 
 
+@pytest.mark.slow  # chi-square over thousands of sampled runs
 @pytest.mark.parametrize("sampler", SAMPLERS, ids=["plain", "filtered"])
 def test_speculative_samples_follow_the_target_distribution(small_pair, sampler):
     target, draft = small_pair
@@ -125,6 +126,7 @@ def test_speculative_samples_follow_the_target_distribution(small_pair, sampler)
     assert pvalue > 1e-3, f"speculative samples do not follow the target (chi-square p={pvalue:.2g})"
 
 
+@pytest.mark.slow  # chi-square over thousands of sampled runs
 def test_bfloat16_sampling_follows_the_target(tmp_path_factory):
     """A bfloat16 pair (what Macs run): the filtered distribution still holds through sampling,
     acceptance and residuals computed from 16-bit logits."""
@@ -137,6 +139,7 @@ def test_bfloat16_sampling_follows_the_target(tmp_path_factory):
     assert pvalue > 1e-3, f"bfloat16 speculative samples do not follow the target (chi-square p={pvalue:.2g})"
 
 
+@pytest.mark.slow  # chi-square over thousands of sampled runs
 def test_sampling_with_block_sizes_that_change_every_cycle(small_pair):
     """The block changes between the cycles that make tokens 2 and 3 (through 1, with shadows),
     and under the real controller; the joint distribution is still the target's."""
@@ -166,6 +169,7 @@ def biased_accept(target_logits, drafted, draft_probs, sampler):
     return accepted, sampling.categorical(p, sampler.key())[accepted]
 
 
+@pytest.mark.slow  # chi-square over thousands of sampled runs
 def test_negative_control_biased_rule_is_detected(small_pair, monkeypatch):
     target, draft = small_pair
     sampler = SAMPLERS[0]
@@ -185,6 +189,7 @@ def wrong_bonus_accept(target_logits, drafted, draft_probs, sampler):
     return accepted, mx.where(accepted == n, bonus, token)
 
 
+@pytest.mark.slow  # chi-square over thousands of sampled runs
 def test_the_all_accepted_bonus_draw_follows_the_target(small_pair, monkeypatch):
     """Block 2: token 3 is the bonus draw whenever token 2 (the one draft) is accepted, so the
     joint covers that path too; drawing the bonus from the wrong row is caught."""

@@ -107,6 +107,7 @@ def test_resume_continues_the_run(setup):
                                    rtol=1e-4, atol=1e-6, err_msg=key)
 
 
+@pytest.mark.slow  # trains through the CLI
 def test_cli_trains_and_rejects_bad_input(setup, tmp_path):
     _, target_dir, corpus, _, _ = setup
     base = [sys.executable, "-m", "dflash_mlx.cli", "train-draft", "-m", str(target_dir)]
