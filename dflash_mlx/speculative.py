@@ -57,9 +57,11 @@ def prefill(
 ) -> mx.array:
     """Feed the prompt in chunks; returns the last position's logits [V].
 
-    Each chunk's tapped features go to ``on_features`` (the draft's context cache), which returns
-    the arrays it made; they are evaluated with the chunk, so that memory stays bounded by the
-    chunk size and the first draft pass does not pay for the whole prompt's context.
+    The head runs on the last position of the last chunk only (the other chunks' logits are
+    never asked for). Each chunk's tapped features go to ``on_features`` (the draft's context
+    cache), which returns the arrays it made; they are evaluated with the chunk, so that memory
+    stays bounded by the chunk size and the first draft pass does not pay for the whole prompt's
+    context.
     ``on_chunk(fed)`` runs after each chunk with the count of prompt tokens fed so far
     (checkpoints; raising ``Cancelled`` there stops between chunks, caches consistent).
     ``split_at`` adds chunk boundaries (positions in ``prompt``) where a checkpoint is wanted.
@@ -69,10 +71,10 @@ def prefill(
     ends = sorted({*range(step_size, prompt.size, step_size), *(p for p in split_at if 0 < p < prompt.size), prompt.size})
     start = 0
     for end in ends:
-        logits, features = target.forward(prompt[None, start:end], cache, taps)
-        start = end
+        logits, features = target.forward(prompt[None, start:end], cache, taps, last_only=True)
         made = on_features(features) if on_features is not None else None
-        mx.eval(logits, cache_arrays(cache), made or [])
+        mx.eval(*([logits] if end == prompt.size else []), cache_arrays(cache), made or [])
+        start = end
         mx.clear_cache()  # the chunk's activations go back to the system, as mlx-lm's prefill does
         if on_chunk is not None:
             on_chunk(end)

@@ -372,14 +372,22 @@ class Model(nn.Module):
         cache: Optional[list] = None,
         taps: Sequence[int] = (),
         record_tape: bool = False,
+        last_only: bool = False,
     ) -> Tuple[mx.array, Optional[mx.array]]:
         """Logits and, when ``taps`` is given, those layers' outputs concatenated on features.
 
         ``record_tape`` makes every Gated DeltaNet cache keep what ``cache.rollback`` needs.
+        ``last_only``: logits of the last position alone (``[B, 1, V]``), as a prefill chunk needs
+        them: the vocabulary head over every prompt position is about a tenth of a 9B prefill.
         """
         h, tapped = self.run_layers(self.model.embed_tokens(inputs), cache, taps, record_tape)
         hidden = mx.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
-        return self.head(self.model.norm(h)), hidden
+        return self.logits(h, last_only), hidden
+
+    def logits(self, h: mx.array, last_only: bool = False) -> mx.array:
+        """The final norm and the head on the last layer's output (its last position alone with
+        ``last_only``; a pipeline's last stage calls this too)."""
+        return self.head(self.model.norm(h[:, -1:] if last_only else h))
 
     def run_layers(self, h: mx.array, cache: Optional[list], taps: Sequence[int] = (),
                    record_tape: bool = False) -> Tuple[mx.array, Dict[int, mx.array]]:
