@@ -1,15 +1,54 @@
-"""Prefill: the head on the last position only."""
+"""Prefill: the head on the last position only, attention in bounded row blocks on the CPU (the
+same numbers as MLX's attention), and memory that the chunk bounds, not the prompt."""
 
 from __future__ import annotations
 
+import itertools
+
 import mlx.core as mx
 import numpy as np
+import pytest
 
+from dflash_mlx.cache import cache_arrays
+from dflash_mlx.models import qwen3_5
 from dflash_mlx.speculative import prefill
 
 
 def prompt(n: int, seed: int = 0) -> mx.array:
     return mx.array(np.random.default_rng(seed).integers(0, 500, n).astype(np.int32))
+
+
+CASES = list(itertools.product((mx.bfloat16, mx.float16, mx.float32), ((4, 2), (4, 4), (8, 1)),
+                               ((17, 0), (40, 100), (64, 1000)), (16, 64)))
+
+
+@pytest.mark.parametrize("dtype,heads,lengths,dim", CASES[::3])
+def test_cpu_attention_is_mlx_attention(dtype, heads, lengths, dim):
+    """The CPU row blocks' attention gives exactly what mx.fast.scaled_dot_product_attention gives."""
+    (H, n_kv), (T, past) = heads, lengths
+    q, k, v = (mx.random.normal(shape).astype(dtype) for shape in
+               ((1, H, T, dim), (1, n_kv, past + T, dim), (1, n_kv, past + T, dim)))
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=dim**-0.5, mask="causal")
+    assert mx.array_equal(qwen3_5.cpu_attention(q, k, v, dim**-0.5), want).item()
+
+
+def test_row_blocks_are_the_whole_chunk(target, monkeypatch):
+    """A prefill whose attention goes in 16-row blocks gives the logits and caches of one that
+    runs every chunk whole through MLX's attention, to the bit."""
+    tokens = prompt(300)
+
+    def run():
+        cache = target.make_cache()
+        return prefill(target, tokens, cache, 128), cache_arrays(cache)
+
+    monkeypatch.setattr(qwen3_5, "SCORE_ELEMENTS", 1)  # 16 rows a block
+    assert qwen3_5.attention_rows(target.args.num_attention_heads, 128, 300) == 16
+    blocks, block_caches = run()
+    monkeypatch.setattr(qwen3_5, "attention_rows", lambda *_: None)
+    whole, whole_caches = run()
+    assert mx.array_equal(blocks, whole).item()
+    assert len(block_caches) == len(whole_caches)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(block_caches, whole_caches))
 
 
 def test_head_runs_on_the_last_position_only(target, monkeypatch):
@@ -25,3 +64,27 @@ def test_head_runs_on_the_last_position_only(target, monkeypatch):
     np.testing.assert_allclose(np.array(logits), np.array(whole), atol=1e-5, rtol=0)
     last, _ = target.forward(tokens[None], last_only=True)
     assert last.shape == (1, 1, target.args.vocab_size) and mx.array_equal(last[0, -1], whole).item()
+
+
+def _transient(target, n: int, step: int) -> tuple:
+    """Peak memory above what the weights and the caches hold after a prefill of ``n`` tokens,
+    and what the caches hold beyond their arrays' own bytes (a slice keeping a buffer alive)."""
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    cache = target.make_cache()
+    prefill(target, prompt(n, seed=n), cache, step)
+    mx.clear_cache()
+    held = mx.get_active_memory() - base
+    return mx.get_peak_memory() - base - held, held - sum(a.nbytes for a in cache_arrays(cache))
+
+
+def test_prefill_memory_is_bounded_by_the_chunk(target, monkeypatch):
+    """The working memory of a prefill (its peak above the caches it leaves) does not grow with
+    the prompt: 4096 tokens need no more than 1024 in chunks of 512; and the caches hold nothing
+    but their own arrays (no chunk's buffer kept alive by a slice)."""
+    monkeypatch.setattr(qwen3_5, "SCORE_ELEMENTS", 1 << 18)
+    short, short_extra = _transient(target, 1024, 512)
+    long, long_extra = _transient(target, 4096, 512)
+    assert long < 1.25 * short + (256 << 10), (short, long)
+    assert short_extra < (64 << 10) and long_extra < (64 << 10), (short_extra, long_extra)
