@@ -11,7 +11,7 @@ import pytest
 
 from dflash_mlx.cache import cache_arrays
 from dflash_mlx.models import qwen3_5
-from dflash_mlx.speculative import prefill
+from dflash_mlx.speculative import default_prefill_step, prefill
 
 
 def prompt(n: int, seed: int = 0) -> mx.array:
@@ -88,3 +88,12 @@ def test_prefill_memory_is_bounded_by_the_chunk(target, monkeypatch):
     long, long_extra = _transient(target, 4096, 512)
     assert long < 1.25 * short + (256 << 10), (short, long)
     assert short_extra < (64 << 10) and long_extra < (64 << 10), (short_extra, long_extra)
+
+
+def test_prefill_step_follows_the_backend(monkeypatch):
+    """A GPU takes mlx-lm's 2048; the CPU the chunk measured there (docs/benchmarks.md)."""
+    from dflash_mlx import speculative
+
+    assert default_prefill_step() == (speculative.PREFILL_STEP_CPU if mx.default_device() == mx.cpu
+                                      else speculative.PREFILL_STEP_GPU)
+    assert speculative.PREFILL_STEP_GPU == 2048
