@@ -70,8 +70,8 @@ def prefill(
 ) -> mx.array:
     """Feed the prompt in chunks; returns the last position's logits [V].
 
-    The head runs on the last position of the last chunk only (the other chunks' logits are
-    never asked for). Each chunk's tapped features go to ``on_features`` (the draft's context
+    The last token goes alone and the head runs on it only (the other chunks' logits are never
+    asked for, and what feeds nothing but the head is never computed for them). Each chunk's tapped features go to ``on_features`` (the draft's context
     cache), which returns the arrays it made; they are evaluated with the chunk, so that memory
     stays bounded by the chunk size and the first draft pass does not pay for the whole prompt's
     context. ``step_size``: tokens per chunk (``None``: ``default_prefill_step()``, this backend's).
@@ -82,7 +82,11 @@ def prefill(
     if prompt.size == 0:
         raise ValueError("the prompt is empty: at least one token is needed")
     step_size = step_size or default_prefill_step()
-    ends = sorted({*range(step_size, prompt.size, step_size), *(p for p in split_at if 0 < p < prompt.size), prompt.size})
+    # The last token goes alone, as in mlx-lm: the chunks before it only fill the caches, so the
+    # last layers' work that feeds nothing but the head (the last attention layer's output where the
+    # draft taps no layer after it) is skipped for every prompt position but the last.
+    ends = sorted({*range(step_size, prompt.size, step_size), *(p for p in split_at if 0 < p < prompt.size),
+                   prompt.size - 1, prompt.size} - {0})
     start = 0
     for end in ends:
         logits, features = target.forward(prompt[None, start:end], cache, taps, last_only=True)

@@ -41,8 +41,8 @@ def test_row_blocks_are_the_whole_chunk(target, monkeypatch):
         cache = target.make_cache()
         return prefill(target, tokens, cache, 128), cache_arrays(cache)
 
-    monkeypatch.setattr(qwen3_5, "SCORE_ELEMENTS", 1)  # 16 rows a block
-    assert qwen3_5.attention_rows(target.args.num_attention_heads, 128, 300) == 16
+    monkeypatch.setattr(qwen3_5, "SCORE_ELEMENTS", 1)  # the fewest rows a block
+    assert qwen3_5.attention_rows(target.args.num_attention_heads, 128, 300) == qwen3_5.SCORE_ROWS_ALIGN
     blocks, block_caches = run()
     monkeypatch.setattr(qwen3_5, "attention_rows", lambda *_: None)
     whole, whole_caches = run()
@@ -64,6 +64,19 @@ def test_head_runs_on_the_last_position_only(target, monkeypatch):
     np.testing.assert_allclose(np.array(logits), np.array(whole), atol=1e-5, rtol=0)
     last, _ = target.forward(tokens[None], last_only=True)
     assert last.shape == (1, 1, target.args.vocab_size) and mx.array_equal(last[0, -1], whole).item()
+
+
+def test_the_last_token_goes_alone(target, monkeypatch):
+    """As in mlx-lm, the chunks before the last token only fill the caches (what feeds nothing but
+    the head is never computed for them) and the last token runs alone; split points still split."""
+    calls = []
+    forward = type(target).forward
+    monkeypatch.setattr(type(target), "forward", lambda self, x, *a, **k: calls.append(x.shape[1]) or forward(self, x, *a, **k))
+    prefill(target, prompt(300, seed=2), target.make_cache(), 128, split_at=[200])
+    assert calls == [128, 72, 56, 43, 1]  # ends 128, 200 (the split), 256, 299, 300
+    calls.clear()
+    prefill(target, prompt(1), target.make_cache(), 128)
+    assert calls == [1]
 
 
 def _transient(target, n: int, step: int) -> tuple:

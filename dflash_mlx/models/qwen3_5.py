@@ -35,7 +35,7 @@ COMPILED_TOKENS = 16
 # MLX's (its products and softmax are its own). On a GPU MLX's fused attention kernel has none of
 # these costs: there a chunk runs whole through it, as in mlx-lm.
 SCORE_ELEMENTS = 1 << 20
-SCORE_ROWS_ALIGN = 16
+SCORE_ROWS_ALIGN = 8
 
 
 def attention_rows(heads: int, queries: int, keys: int) -> Optional[int]:
