@@ -67,6 +67,8 @@ def prefill(
     on_features=None,
     on_chunk=None,
     split_at: Sequence[int] = (),
+    features_from: int = 0,
+    on_skipped=None,
 ) -> mx.array:
     """Feed the prompt in chunks; returns the last position's logits [V].
 
@@ -78,6 +80,8 @@ def prefill(
     ``on_chunk(fed)`` runs after each chunk with the count of prompt tokens fed so far
     (checkpoints; raising ``Cancelled`` there stops between chunks, caches consistent).
     ``split_at`` adds chunk boundaries (positions in ``prompt``) where a checkpoint is wanted.
+    ``features_from``: the first position whose features the draft keeps (its context is a window
+    of the last tokens): the chunks before it run untapped, their count told to ``on_skipped``.
     """
     if prompt.size == 0:
         raise ValueError("the prompt is empty: at least one token is needed")
@@ -85,18 +89,33 @@ def prefill(
     # The last token goes alone, as in mlx-lm: the chunks before it only fill the caches, so the
     # last layers' work that feeds nothing but the head (the last attention layer's output where the
     # draft taps no layer after it) is skipped for every prompt position but the last.
-    ends = sorted({*range(step_size, prompt.size, step_size), *(p for p in split_at if 0 < p < prompt.size),
+    ends = sorted({*range(step_size, prompt.size, step_size), *(p for p in (*split_at, features_from) if 0 < p < prompt.size),
                    prompt.size - 1, prompt.size} - {0})
     start = 0
     for end in ends:
-        logits, features = target.forward(prompt[None, start:end], cache, taps, last_only=True)
-        made = on_features(features) if on_features is not None else None
+        tapped = taps if end > features_from else ()
+        logits, features = target.forward(prompt[None, start:end], cache, tapped, last_only=True)
+        made = None
+        if tapped and on_features is not None:
+            made = on_features(features)
+        elif not tapped and taps and on_skipped is not None:
+            on_skipped(end - start)
         mx.eval(*([logits] if end == prompt.size else []), cache_arrays(cache), made or [])
         start = end
         mx.clear_cache()  # the chunk's activations go back to the system, as mlx-lm's prefill does
         if on_chunk is not None:
             on_chunk(end)
     return logits[0, -1]
+
+
+def features_from(draft_cache: list, count: int) -> int:
+    """The first of ``count`` new positions whose context features some draft layer keeps: all of
+    them unless every layer keeps a window of the last tokens (a sliding or ``--draft-window``
+    draft); then the target's layers after the last tap need not run for the positions before."""
+    kept = [getattr(c, "window", None) for c in draft_cache if not getattr(c, "reads_no_context", False)]
+    if not kept or any(w is None for w in kept):
+        return 0
+    return max(count - max(kept), 0)
 
 
 class _Budget:
@@ -237,8 +256,13 @@ def speculative(
         tokens = c.drafted.tolist()[:n] + [c.next_token.item()]  # evaluated: no slice op, no second sync
         return Commit(tokens, _logprobs(c.logits[: n + 1]), drafted=c.block - 1, accepted=n)
 
+    def skip_draft(count: int) -> None:
+        for c in draft_cache:
+            c.advance(count)
+
     budget = _Budget(max_tokens, stop_tokens)
-    logits = prefill(target, prompt, cache, prefill_step_size, taps, to_draft, on_chunk, split_at)
+    logits = prefill(target, prompt, cache, prefill_step_size, taps, to_draft, on_chunk, split_at,
+                     features_from(draft_cache, prompt.size), skip_draft)
     token = sampler(logits).reshape(1)
     masks = {b: mx.full((b - 1,), draft.mask_token_id, dtype=token.dtype) for b in range(2, draft.block_size + 1)}
     commit, resolved = Commit([token.item()], _logprobs(logits)[None]), time.perf_counter()

@@ -110,3 +110,39 @@ def test_prefill_step_follows_the_backend(monkeypatch):
     assert default_prefill_step() == (speculative.PREFILL_STEP_CPU if mx.default_device() == mx.cpu
                                       else speculative.PREFILL_STEP_GPU)
     assert speculative.PREFILL_STEP_GPU == 2048
+
+
+def test_a_windowed_draft_is_fed_only_the_features_it_keeps(target, draft, monkeypatch):
+    """With a draft that keeps the last W tokens' context, the prompt's chunks before its last W
+    positions run without taps (the layers after the last tap are never computed for them), the
+    draft's cache ends with the same last W rows as when fed every position, and the output is the
+    target's."""
+    from dflash_mlx import speculative as loop
+    from dflash_mlx.sampling import Sampler
+
+    tokens, window = prompt(300, seed=3), 40
+
+    def run(skip: bool):
+        calls, cache = [], draft.make_cache(window)
+        forward = type(target).forward
+        monkeypatch.setattr(type(target), "forward", lambda self, x, c=None, taps=(), *a, **k:
+                            calls.append((x.shape[1], bool(taps))) or forward(self, x, c, taps, *a, **k))
+        if not skip:
+            monkeypatch.setattr(loop, "features_from", lambda *_: 0)
+        first = next(loop.speculative(target, draft, tokens, Sampler(), 4, prefill_step_size=128, draft_cache=cache))
+        monkeypatch.undo()
+        return calls, cache, first.tokens
+
+    calls, cache, first = run(skip=True)
+    assert calls[:4] == [(128, False), (128, False), (4, False), (39, True)] and calls[4] == (1, True), calls
+    _, full, first_full = run(skip=False)
+    assert first == first_full and cache[0].offset == full[0].offset == 300
+    for c, f in zip(cache, full):
+        used, used_full = c.offset - c.start, f.offset - f.start
+        assert used == window <= used_full
+        np.testing.assert_allclose(np.array(c.keys[..., :used, :]), np.array(f.keys[..., used_full - window : used_full, :]),
+                                   atol=1e-5, rtol=0)
+    alone = [c.tokens[0] for c in loop.target_only(target, tokens, Sampler(), max_tokens=12)]
+    windowed = [t for c in loop.speculative(target, draft, tokens, Sampler(), 4, draft_window=window, max_tokens=12)
+                for t in c.tokens]
+    assert windowed[:12] == alone
