@@ -95,12 +95,13 @@ def prefill(
     for end in ends:
         tapped = taps if end > features_from else ()
         logits, features = target.forward(prompt[None, start:end], cache, tapped, last_only=True)
-        made = None
+        # The target's pass, then the draft's: in one graph MLX would run the draft's projections
+        # of early taps beside the target's last layers, both working sets alive at once.
+        mx.eval(*([logits] if end == prompt.size else []), cache_arrays(cache), features if tapped else [])
         if tapped and on_features is not None:
-            made = on_features(features)
+            mx.eval(on_features(features))
         elif not tapped and taps and on_skipped is not None:
             on_skipped(end - start)
-        mx.eval(*([logits] if end == prompt.size else []), cache_arrays(cache), made or [])
         start = end
         mx.clear_cache()  # the chunk's activations go back to the system, as mlx-lm's prefill does
         if on_chunk is not None:
@@ -261,8 +262,11 @@ def speculative(
             c.advance(count)
 
     budget = _Budget(max_tokens, stop_tokens)
-    logits = prefill(target, prompt, cache, prefill_step_size, taps, to_draft, on_chunk, split_at,
-                     features_from(draft_cache, prompt.size), skip_draft)
+    first_kept = features_from(draft_cache, prompt.size)
+    for c in draft_cache:  # room for the prompt's features (and a first block) in one growth
+        if hasattr(c, "reserve"):
+            c.reserve(prompt.size - first_kept + draft.block_size)
+    logits = prefill(target, prompt, cache, prefill_step_size, taps, to_draft, on_chunk, split_at, first_kept, skip_draft)
     token = sampler(logits).reshape(1)
     masks = {b: mx.full((b - 1,), draft.mask_token_id, dtype=token.dtype) for b in range(2, draft.block_size + 1)}
     commit, resolved = Commit([token.item()], _logprobs(logits)[None]), time.perf_counter()

@@ -146,3 +146,16 @@ def test_a_windowed_draft_is_fed_only_the_features_it_keeps(target, draft, monke
     windowed = [t for c in loop.speculative(target, draft, tokens, Sampler(), 4, draft_window=window, max_tokens=12)
                 for t in c.tokens]
     assert windowed[:12] == alone
+
+
+def test_the_draft_cache_grows_once_for_a_prompt(target, draft):
+    """The loop reserves room for the prompt's features before its prefill: the draft's context
+    cache is allocated once, not reallocated (old, new and a copy alive) every chunk."""
+    from dflash_mlx import speculative as loop
+    from dflash_mlx.sampling import Sampler
+
+    cache, capacities = draft.make_cache(), []
+    steps = loop.speculative(target, draft, prompt(600, seed=4), Sampler(), 4, prefill_step_size=128, draft_cache=cache,
+                             on_chunk=lambda fed: capacities.append(cache[0].keys.shape[2]))
+    next(steps)
+    assert len(capacities) == 6 and set(capacities) == {768}, capacities  # 600 + a block, in steps of 256
