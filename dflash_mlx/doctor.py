@@ -21,10 +21,11 @@ GiB = 1024**3
 # A prefill chunk's working memory on MLX's CPU backend, measured here (MLX 0.32): bytes per
 # attention score of a row block (cpu_attention keeps several [heads, rows, keys] arrays of a block,
 # and the next block's first ones, alive: 30 in 16-bit, 18 in float32), and per token and channel
-# of a Gated DeltaNet layer's input convolution (its depthwise conv1d: 40 for every dtype and shape
-# tried). docs/benchmarks.md compares the estimate with measured peaks.
+# of a Gated DeltaNet layer's input (its depthwise conv1d: 37-41 for every dtype and shape tried
+# with the layer evaluated alone, 48 within a chunk's whole graph, where the layer's other
+# projections are computed ahead). docs/benchmarks.md compares the estimate with measured peaks.
 SCORE_BYTES = {2: 30, 4: 18}
-CONV_BYTES = 40
+CONV_BYTES = 48
 _BYTES = {"F32": 4, "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "U8": 1, "I8": 1, "F64": 8, "I64": 8, "U16": 2, "BOOL": 1}
 
 
@@ -106,6 +107,19 @@ def _cache_rows(cache, chunks: List[int]) -> int:
     return 0 if cache.keys is None else cache.keys.shape[2]
 
 
+def _context_rows(cache, feed: List[int], windows: List[Optional[int]], block: int) -> int:
+    """Rows a draft layer's context cache holds after ``feed``, fed as the loop feeds it: room
+    reserved for the prompt at once, and only the last tokens' features when every layer keeps a
+    window (speculative.features_from)."""
+    prompt, decode = sum(n for n in feed if n > 1) or feed[0], [n for n in feed if n == 1]
+    kept = [w for w in windows if w != 0]
+    if kept and all(w is not None for w in kept):
+        prompt = min(prompt, max(kept))
+        feed = [prompt] + decode
+    cache.reserve(prompt + block)
+    return _cache_rows(cache, feed)
+
+
 def _chunks(context: int, chunk: int, decode: int = 16) -> List[int]:
     """How a run at ``context`` feeds its caches: the prompt in chunks, then a few decode steps."""
     prompt = max(context - decode, 1)
@@ -123,11 +137,12 @@ def _draft_windows(draft_args, draft_window: Optional[int]) -> List[Optional[int
 
 
 def prefill_working_memory(args, context: int, chunk: int, element: int, taps: List[int] = (),
-                           draft_element: int = 2) -> int:
-    """Bytes a prefill chunk of ``chunk`` tokens at ``context`` needs on top of the caches: its
-    largest layer (an attention layer's row blocks of scores, a Gated DeltaNet layer's
-    convolution, an MLP) and the hidden states, tapped features and the draft's features of the
-    chunk, alive across layers. The last layer's attention runs on the last token alone unless the
+                           draft_element: int = 2, draft_layers: int = 0, draft_kv: int = 0) -> int:
+    """Bytes a prefill chunk of ``chunk`` tokens at ``context`` needs on top of the caches: the
+    target's pass (its largest layer: an attention layer's row blocks of scores, a Gated DeltaNet
+    layer's convolution or an MLP; and the hidden states and tapped features alive across layers)
+    or the draft's (``draft_layers`` layers that read the context, ``draft_kv`` = KV heads x head
+    dim), whichever is larger. The last layer's attention runs on the last token alone unless the
     draft taps it (as the loop feeds a prompt). On a GPU the fused attention keeps no scores (not
     measured)."""
     from .models.qwen3_5 import attention_rows
@@ -137,12 +152,19 @@ def prefill_working_memory(args, context: int, chunk: int, element: int, taps: L
     scored = any(t == "full_attention" for t in kinds[:-1]) or (kinds[-1] == "full_attention" and len(kinds) - 1 in taps)
     rows = attention_rows(args.num_attention_heads, c, context) if scored else None
     scores = SCORE_BYTES.get(element, 30) * args.num_attention_heads * rows * context if rows is not None else 0
+    # Alive beside a layer's score blocks: its q_proj output (queries and output gate, 2 x heads x
+    # head_dim), the rotated queries, and the blocks' outputs with their concatenation.
+    attention = scores + 5 * c * args.num_attention_heads * args.head_dim * element if rows is not None else 0
     conv_dim = 2 * args.linear_num_key_heads * args.linear_key_head_dim + args.linear_num_value_heads * args.linear_value_head_dim
     gated_delta = CONV_BYTES * c * conv_dim if "linear_attention" in kinds else 0
     mlp = 3 * c * args.intermediate_size * element
     n = len(taps)
-    across = c * args.hidden_size * (element * (2 + n) + (draft_element * (n + 1) if n else 0))
-    return max(scores, gated_delta, mlp) + across
+    target = max(attention, gated_delta, mlp) + c * args.hidden_size * element * (2 + n)
+    # Then the draft takes the chunk's features (the loop evaluates the two passes one after the
+    # other): the features, fc and its norm, and per context-reading layer its keys and values
+    # (projected, normed, rotated) before they are written into its cache.
+    draft = c * args.hidden_size * (element * n + 2 * draft_element) + draft_layers * 6 * c * draft_kv * draft_element if n else 0
+    return max(target, draft)
 
 
 def decode_working_memory(args, block: int, element: int, tape: int) -> int:
@@ -181,7 +203,7 @@ def estimate_memory(target_dir: Path, draft_dir: Optional[Path], draft_quant: Op
     state = args.linear_num_value_heads * args.linear_value_head_dim * args.linear_key_head_dim * 4
     conv_dim = 2 * args.linear_num_key_heads * args.linear_key_head_dim + args.linear_num_value_heads * args.linear_value_head_dim
     out["Gated DeltaNet states"] = n_lin * (state + (args.linear_conv_kernel_dim - 1) * conv_dim * element)
-    tape, taps, draft_element = 0, [], element
+    tape, taps, draft_element, draft_layers, draft_kv = 0, [], element, 0, 0
     if draft_dir is not None:
         draft_config = read_config(draft_dir)
         draft_args = DraftArgs.from_dict(draft_config)
@@ -194,10 +216,13 @@ def estimate_memory(target_dir: Path, draft_dir: Optional[Path], draft_quant: Op
         out["draft weights"] = _draft_weight_bytes(draft_tensors, parse_quant(draft_quant), activation)
         stored = _activation_bytes(draft_tensors)
         draft_element = activation or max(element, stored)  # the context K/V take the wider of features and weights
-        rows = sum(0 if window == 0 else _cache_rows(ContextCache(window), feed) for window in _draft_windows(draft_args, draft_window))
+        windows = _draft_windows(draft_args, draft_window)
+        rows = sum(_context_rows(ContextCache(w), feed, windows, block) for w in windows if w != 0)
         out["draft context cache"] = rows * 2 * draft_args.num_key_value_heads * draft_args.head_dim * draft_element
         taps = resolve_taps(draft_args.target_layer_ids, draft_args.num_hidden_layers, args.num_hidden_layers)
-    prefill = prefill_working_memory(args, context, chunk, element, taps, draft_element)
+        draft_layers = sum(w != 0 for w in _draft_windows(draft_args, draft_window))
+        draft_kv = draft_args.num_key_value_heads * draft_args.head_dim
+    prefill = prefill_working_memory(args, context, chunk, element, taps, draft_element, draft_layers, draft_kv)
     decode = decode_working_memory(args, block or 1, element, tape)
     out[f"working memory ({'prefill' if prefill >= decode else 'verify'})"] = max(prefill, decode)
     return out
