@@ -73,10 +73,11 @@ def prefill(
     """Feed the prompt in chunks; returns the last position's logits [V].
 
     The last token goes alone and the head runs on it only (the other chunks' logits are never
-    asked for, and what feeds nothing but the head is never computed for them). Each chunk's tapped features go to ``on_features`` (the draft's context
-    cache), which returns the arrays it made; they are evaluated with the chunk, so that memory
-    stays bounded by the chunk size and the first draft pass does not pay for the whole prompt's
-    context. ``step_size``: tokens per chunk (``None``: ``default_prefill_step()``, this backend's).
+    asked for, and what feeds nothing but the head is never computed for them). Each chunk's
+    tapped features go to ``on_features`` (the draft's context cache), which returns the arrays it
+    made; they are evaluated after the chunk's target pass, so that memory stays bounded by the
+    chunk size and the first draft pass does not pay for the whole prompt's context.
+    ``step_size``: tokens per chunk (``None``: ``default_prefill_step()``, this backend's).
     ``on_chunk(fed)`` runs after each chunk with the count of prompt tokens fed so far
     (checkpoints; raising ``Cancelled`` there stops between chunks, caches consistent).
     ``split_at`` adds chunk boundaries (positions in ``prompt``) where a checkpoint is wanted.
