@@ -345,7 +345,7 @@ def stream_generate(
     seed: Optional[int] = None,
     stop: Optional[Sequence[str]] = None,
     use_draft: bool = True,
-    prefill_step_size: int = 512,
+    prefill_step_size: Optional[int] = None,
     enable_thinking: Optional[bool] = None,
     prompt_cache: Union[None, PromptCache, PromptCachePool] = None,
     checkpoint_at: Sequence[int] = (),
@@ -368,7 +368,8 @@ def stream_generate(
     same file context) only prefills the rest; ``checkpoint_at`` lists prompt positions worth a
     checkpoint (e.g. where the next turn's prompt will start to differ).
     ``cancelled``: polled between prefill chunks; when it returns True the prefill stops there
-    (the cache keeps what was fed) and nothing is yielded.
+    (the cache keeps what was fed) and nothing is yielded. ``prefill_step_size``: prompt tokens per
+    prefill chunk (default: this backend's, ``speculative.default_prefill_step``).
 
     Pipelined (``model.pipeline``): on rank 0 this sends the request to the other ranks and yields
     the answer (``logprobs`` None: they stay on the last rank); on every other rank it takes part

@@ -18,8 +18,14 @@ from . import kernels
 
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "fail"
 GiB = 1024**3
-KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 positions
-PREFILL_CHUNK = 512
+# A prefill chunk's working memory on MLX's CPU backend, measured here (MLX 0.32): bytes per
+# attention score of a row block (cpu_attention keeps several [heads, rows, keys] arrays of a block,
+# and the next block's first ones, alive: 30 in 16-bit, 18 in float32), and per token and channel
+# of a Gated DeltaNet layer's input (its depthwise conv1d: 37-41 for every dtype and shape tried
+# with the layer evaluated alone, 48 within a chunk's whole graph, where the layer's other
+# projections are computed ahead). docs/benchmarks.md compares the estimate with measured peaks.
+SCORE_BYTES = {2: 30, 4: 18}
+CONV_BYTES = 48
 _BYTES = {"F32": 4, "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "U8": 1, "I8": 1, "F64": 8, "I64": 8, "U16": 2, "BOOL": 1}
 
 
@@ -84,41 +90,141 @@ def _draft_weight_bytes(tensors: Dict[str, tuple], quant: Optional[tuple], activ
     return total
 
 
-def estimate_memory(target_dir: Path, draft_dir: Optional[Path], draft_quant: Optional[str], context: int,
-                    block: Optional[int] = None, draft_dtype: Optional[mx.Dtype] = None) -> Dict[str, int]:
-    """Bytes the pair needs at ``context`` tokens: weights, attention KV caches, Gated DeltaNet
-    states and one verify block's tape, the draft's context cache, and a prefill chunk's logits."""
-    from .loading import read_config
-    from .models.dflash import DraftArgs, parse_quant
-    from .models.qwen3_5 import ModelArgs
+def _activation_bytes(tensors: Dict[str, tuple]) -> int:
+    """Bytes per activation: those of the checkpoint's floating-point tensors (a quantized one's
+    scales), whatever its config says."""
+    sizes = [_BYTES[dtype] for dtype, _, _ in tensors.values() if dtype in ("F32", "F16", "BF16")]
+    return max(set(sizes), key=sizes.count) if sizes else 2
 
+
+def _cache_rows(cache, chunks: List[int]) -> int:
+    """Rows a cache holds after taking ``chunks`` tokens at a time: the cache itself is run on
+    one-element rows (mlx-lm's KVCache and the draft's ContextCache grow in steps of 256 and
+    reallocate on their own rules; this follows them instead of restating them)."""
+    for n in chunks:
+        rows = mx.zeros((1, 1, n, 1))
+        cache.update_and_fetch(rows, rows) if hasattr(cache, "update_and_fetch") else cache.append(rows, rows)
+    return 0 if cache.keys is None else cache.keys.shape[2]
+
+
+def _context_rows(cache, feed: List[int], windows: List[Optional[int]], block: int) -> int:
+    """Rows a draft layer's context cache holds after ``feed``, fed as the loop feeds it: room
+    reserved for the prompt at once, and only the last tokens' features when every layer keeps a
+    window (speculative.features_from)."""
+    prompt, decode = sum(n for n in feed if n > 1) or feed[0], [n for n in feed if n == 1]
+    kept = [w for w in windows if w != 0]
+    if kept and all(w is not None for w in kept):
+        prompt = min(prompt, max(kept))
+        feed = [prompt] + decode
+    cache.reserve(prompt + block)
+    return _cache_rows(cache, feed)
+
+
+def _chunks(context: int, chunk: int, decode: int = 16) -> List[int]:
+    """How a run at ``context`` feeds its caches: the prompt in chunks, then a few decode steps."""
+    prompt = max(context - decode, 1)
+    return [min(chunk, prompt - s) for s in range(0, prompt, chunk)] + [1] * (context - prompt)
+
+
+def _draft_windows(draft_args, draft_window: Optional[int]) -> List[Optional[int]]:
+    """Context rows each draft layer keeps (DFlashDraft.make_cache's rule: a sliding layer its
+    window less one, a block_attention layer none, every layer at most ``draft_window``)."""
+    out = []
+    for kind in draft_args.layer_types:
+        sliding = {"sliding_attention": draft_args.sliding_window, "block_attention": 1}.get(kind)
+        out.append(draft_window if sliding is None else min(x for x in (draft_window, sliding - 1) if x is not None))
+    return out
+
+
+def prefill_working_memory(args, context: int, chunk: int, element: int, taps: List[int] = (),
+                           draft_element: int = 2, draft_layers: int = 0, draft_kv: int = 0) -> int:
+    """Bytes a prefill chunk of ``chunk`` tokens at ``context`` needs on top of the caches: the
+    target's pass (its largest layer: an attention layer's row blocks of scores, a Gated DeltaNet
+    layer's convolution or an MLP; and the hidden states and tapped features alive across layers)
+    or the draft's (``draft_layers`` layers that read the context, ``draft_kv`` = KV heads x head
+    dim), whichever is larger. The last layer's attention runs on the last token alone unless the
+    draft taps it (as the loop feeds a prompt). On a GPU the fused attention keeps no scores (not
+    measured)."""
+    from .models.qwen3_5 import attention_rows
+
+    c = min(chunk, context)
+    kinds = list(args.layer_types)
+    scored = any(t == "full_attention" for t in kinds[:-1]) or (kinds[-1] == "full_attention" and len(kinds) - 1 in taps)
+    rows = attention_rows(args.num_attention_heads, c, context) if scored else None
+    scores = SCORE_BYTES.get(element, 30) * args.num_attention_heads * rows * context if rows is not None else 0
+    # Alive beside a layer's score blocks: its q_proj output (queries and output gate, 2 x heads x
+    # head_dim), the rotated queries, and the blocks' outputs with their concatenation.
+    attention = scores + 5 * c * args.num_attention_heads * args.head_dim * element if rows is not None else 0
+    conv_dim = 2 * args.linear_num_key_heads * args.linear_key_head_dim + args.linear_num_value_heads * args.linear_value_head_dim
+    gated_delta = CONV_BYTES * c * conv_dim if "linear_attention" in kinds else 0
+    mlp = 3 * c * args.intermediate_size * element
+    n = len(taps)
+    target = max(attention, gated_delta, mlp) + c * args.hidden_size * element * (2 + n)
+    # Then the draft takes the chunk's features (the loop evaluates the two passes one after the
+    # other): the features, fc and its norm, and per context-reading layer its keys and values
+    # (projected, normed, rotated) before they are written into its cache.
+    draft = c * args.hidden_size * (element * n + 2 * draft_element) + draft_layers * 6 * c * draft_kv * draft_element if n else 0
+    return max(target, draft)
+
+
+def decode_working_memory(args, block: int, element: int, tape: int) -> int:
+    """Bytes a verify cycle needs on top of the caches: the Gated DeltaNet tape, and the target's and
+    the draft's logits over the block with what accepting and sampling make of them (16 bytes per
+    vocabulary entry and block slot in float32, 12 in 16-bit, measured)."""
+    return tape + block * args.vocab_size * (2 * element + 8)
+
+
+def estimate_memory(target_dir: Path, draft_dir: Optional[Path], draft_quant: Optional[str], context: int,
+                    block: Optional[int] = None, draft_dtype: Optional[mx.Dtype] = None, chunk: Optional[int] = None,
+                    draft_window: Optional[int] = None) -> Dict[str, int]:
+    """Bytes a run at ``context`` tokens peaks at: what stays (weights, attention KV caches, Gated
+    DeltaNet states, the draft's context cache, each as its cache class grows it) and the working
+    memory on top, the larger of the prompt's last chunk's (``chunk``: this backend's prefill
+    chunk) and a verify cycle's; ``draft_window`` as ``load`` takes it. docs/benchmarks.md compares
+    it with measured peaks."""
+    from mlx_lm.models.cache import KVCache
+
+    from .loading import read_config
+    from .models.dflash import ContextCache, DraftArgs, parse_quant, resolve_taps
+    from .models.qwen3_5 import ModelArgs
+    from .speculative import default_prefill_step
+
+    chunk = chunk or default_prefill_step()
     config = read_config(target_dir)
     args = ModelArgs.from_dict(config)
-    element = 4 if (config.get("text_config") or config).get("dtype", config.get("torch_dtype")) == "float32" else 2
-    out = {"target weights": sum(b for _, _, b in safetensors_bytes(target_dir).values())}
+    tensors = safetensors_bytes(target_dir)
+    element = _activation_bytes(tensors)
+    out = {"target weights": sum(b for _, _, b in tensors.values())}
     n_attn = sum(t == "full_attention" for t in args.layer_types)
     n_lin = len(args.layer_types) - n_attn
-    positions = -(-context // KV_STEP) * KV_STEP
+    feed = _chunks(context, chunk)
+    positions = _cache_rows(KVCache(), feed)
     out["attention KV caches"] = n_attn * 2 * args.num_key_value_heads * args.head_dim * positions * element
     state = args.linear_num_value_heads * args.linear_value_head_dim * args.linear_key_head_dim * 4
     conv_dim = 2 * args.linear_num_key_heads * args.linear_key_head_dim + args.linear_num_value_heads * args.linear_value_head_dim
     out["Gated DeltaNet states"] = n_lin * (state + (args.linear_conv_kernel_dim - 1) * conv_dim * element)
+    tape, taps, draft_element, draft_layers, draft_kv = 0, [], element, 0, 0
     if draft_dir is not None:
         draft_config = read_config(draft_dir)
         draft_args = DraftArgs.from_dict(draft_config)
         block = block or draft_args.block_size
         per_step = args.linear_num_key_heads * args.linear_key_head_dim * element + args.linear_num_value_heads * (
             1 + args.linear_value_head_dim) * 4
-        out["verify tape (one block)"] = n_lin * (state + block * per_step + (args.linear_conv_kernel_dim - 1 + block) * conv_dim * element)
+        tape = n_lin * (state + block * per_step + (args.linear_conv_kernel_dim - 1 + block) * conv_dim * element)
         activation = 4 if draft_dtype is not None and draft_dtype == mx.float32 else None
-        out["draft weights"] = _draft_weight_bytes(safetensors_bytes(draft_dir), parse_quant(draft_quant), activation)
-        kept = []
-        for kind in draft_args.layer_types:
-            window = draft_args.sliding_window if kind == "sliding_attention" else None
-            kept.append(context if window is None else min(context, max(window - 1, 0)))
-        draft_element = activation or element
-        out["draft context cache"] = sum(kept) * 2 * draft_args.num_key_value_heads * draft_args.head_dim * draft_element
-    out["prefill chunk logits"] = PREFILL_CHUNK * args.vocab_size * 4
+        draft_tensors = safetensors_bytes(draft_dir)
+        out["draft weights"] = _draft_weight_bytes(draft_tensors, parse_quant(draft_quant), activation)
+        stored = _activation_bytes(draft_tensors)
+        draft_element = activation or max(element, stored)  # the context K/V take the wider of features and weights
+        windows = _draft_windows(draft_args, draft_window)
+        rows = sum(_context_rows(ContextCache(w), feed, windows, block) for w in windows if w != 0)
+        out["draft context cache"] = rows * 2 * draft_args.num_key_value_heads * draft_args.head_dim * draft_element
+        taps = resolve_taps(draft_args.target_layer_ids, draft_args.num_hidden_layers, args.num_hidden_layers)
+        draft_layers = sum(w != 0 for w in _draft_windows(draft_args, draft_window))
+        draft_kv = draft_args.num_key_value_heads * draft_args.head_dim
+    prefill = prefill_working_memory(args, context, chunk, element, taps, draft_element, draft_layers, draft_kv)
+    decode = decode_working_memory(args, block or 1, element, tape)
+    out[f"working memory ({'prefill' if prefill >= decode else 'verify'})"] = max(prefill, decode)
     return out
 
 
@@ -127,8 +233,8 @@ def pipeline_memory(target_dir: Path, draft_dir: Optional[Path], memory: Dict[st
     """Per rank of a pipeline over ``world`` ranks: its layer range, weight bytes and cache bytes.
     The split is the one ``load`` makes (from the same lazily loaded weights: nothing is read);
     caches follow the layers (attention KV, Gated DeltaNet states and tape), and the last rank
-    also holds the draft (its ``memory`` estimate, after ``--draft-quant``), its context cache and
-    a prefill chunk's logits."""
+    also holds the draft (its ``memory`` estimate, after ``--draft-quant``) and its context cache;
+    each rank a chunk's working memory (that of the largest layer, which any rank may hold)."""
     from .loading import read_target, read_weights
     from .pipeline import stages
 
@@ -139,14 +245,15 @@ def pipeline_memory(target_dir: Path, draft_dir: Optional[Path], memory: Dict[st
     types = model.args.layer_types
     n_attn = max(sum(t == "full_attention" for t in types), 1)
     n_lin = max(len(types) - sum(t == "full_attention" for t in types), 1)
-    recurrent = memory["Gated DeltaNet states"] + memory.get("verify tape (one block)", 0)
+    recurrent = memory["Gated DeltaNet states"]
+    working = next(v for k, v in memory.items() if k.startswith("working memory"))
     out = []
     for rank, ((start, end), held) in enumerate(zip(split.ranges, split.weight_bytes)):
         attn = sum(t == "full_attention" for t in types[start:end])
-        caches = memory["attention KV caches"] * attn // n_attn + recurrent * (end - start - attn) // n_lin
+        caches = memory["attention KV caches"] * attn // n_attn + recurrent * (end - start - attn) // n_lin + working
         if rank == world - 1:
             held += memory.get("draft weights", 0) - stored_draft
-            caches += memory.get("draft context cache", 0) + memory["prefill chunk logits"]
+            caches += memory.get("draft context cache", 0)
         out.append(((start, end), held, caches))
     return out
 

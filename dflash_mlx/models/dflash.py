@@ -175,6 +175,7 @@ class ContextCache:
         self.values: Optional[mx.array] = None
         self.offset = 0  # context tokens seen (absolute position of the next one)
         self.start = 0  # absolute position of buffer row 0
+        self.reserved = 0  # rows the next growth makes room for at least (see reserve)
 
     def _ensure_room(self, needed_rows: int, like_k: mx.array, like_v: mx.array):
         used = self.offset - self.start
@@ -185,7 +186,8 @@ class ContextCache:
             self.start += drop
             used = self.window
         if used + needed_rows > self._capacity():
-            rows = ((used + needed_rows + self.step - 1) // self.step) * self.step
+            rows = ((used + max(needed_rows, self.reserved) + self.step - 1) // self.step) * self.step
+            self.reserved = 0
             B, H, _, _ = like_k.shape
             new_k = mx.zeros((B, H, rows, like_k.shape[-1]), like_k.dtype)
             new_v = mx.zeros((B, H, rows, like_v.shape[-1]), like_v.dtype)
@@ -193,6 +195,16 @@ class ContextCache:
                 new_k[..., :used, :] = self.keys[..., :used, :]
                 new_v[..., :used, :] = self.values[..., :used, :]
             self.keys, self.values = new_k, new_v
+
+    def reserve(self, rows: int) -> None:
+        """Make the next growth room for ``rows`` more rows at once (a prompt's whole feed), so that
+        a long prompt's chunks are written in place: grown chunk by chunk, every layer would hold
+        its old buffer, the new one and a copy at once, each chunk, and copy the context again."""
+        if self.window is not None:
+            rows = min(rows, self.window + 1)
+        if self.reads_no_context or self._capacity() - (self.offset - self.start) >= rows:
+            return
+        self.reserved = rows
 
     def _capacity(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]

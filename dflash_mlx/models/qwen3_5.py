@@ -25,6 +25,46 @@ SILU_GATES = (None, "silu", "swish")
 # The longest input a layer runs compiled: every decode and verify pass (blocks of up to 16).
 COMPILED_TOKENS = 16
 
+# Prefill attention off the GPU. MLX's CPU attention (mx.fast.scaled_dot_product_attention falls
+# back to plain operations there) materialises the scores (several [heads, queries, keys] arrays),
+# computes the masked half of a chunk's causal square too, and takes a 16-bit softmax at about half
+# the speed of a float32 one. There a prefill chunk's queries go in row blocks of at most
+# SCORE_ELEMENTS / (heads x keys) rows (a multiple of SCORE_ROWS_ALIGN, at least that), each
+# against the keys up to its last row, through ``cpu_attention``: the scores stay bounded whatever
+# the context, the masked work shrinks to a block's triangle, and each row is the same numbers as
+# MLX's (its products and softmax are its own). On a GPU MLX's fused attention kernel has none of
+# these costs: there a chunk runs whole through it, as in mlx-lm.
+SCORE_ELEMENTS = 1 << 20
+SCORE_ROWS_ALIGN = 8
+
+
+def attention_rows(heads: int, queries: int, keys: int) -> Optional[int]:
+    """Query rows per ``cpu_attention`` call for a pass of ``queries`` tokens over ``keys`` keys;
+    None where the pass runs whole through MLX's attention (decode and verify passes, a GPU)."""
+    if queries <= COMPILED_TOKENS or mx.default_device() != mx.cpu:
+        return None
+    rows = SCORE_ELEMENTS // (heads * keys) // SCORE_ROWS_ALIGN * SCORE_ROWS_ALIGN
+    return min(queries, max(rows, SCORE_ROWS_ALIGN))
+
+
+def cpu_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+    """Causal attention of the last ``T`` positions over ``keys`` (the last query sees them all):
+    the operations MLX's attention runs on the CPU, in its order, but the softmax taken on the
+    scores cast to float32 (MLX's 16-bit softmax computes in float32 and rounds the same way:
+    identical results, tests/test_prefill.py checks it)."""
+    B, H, T, D = queries.shape
+    n_kv = keys.shape[1]
+    q = queries * mx.array(scale, queries.dtype)
+    if H != n_kv:
+        q = q.reshape(B, n_kv, H // n_kv, T, D)
+        keys, values = mx.expand_dims(keys, 2), mx.expand_dims(values, 2)
+    scores = q @ keys.swapaxes(-1, -2)
+    L = keys.shape[-2]
+    visible = mx.arange(L - T, L)[:, None] >= mx.arange(L)[None]
+    scores = mx.where(visible, scores, mx.array(-float("inf"), scores.dtype))
+    probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(scores.dtype)
+    return (probs @ values).reshape(B, H, T, -1)
+
 
 @dataclass
 class ModelArgs:
@@ -171,7 +211,10 @@ class GatedDeltaNet(nn.Module):
         conv_input, state, k, g, delta = carry
         if record_tape:
             cache.tape = GatedDeltaTape(start_state, conv_input, k, g, delta)
-        cache.conv_state = conv_input[:, -(self.conv_kernel_size - 1) :]
+        conv_state = conv_input[:, -(self.conv_kernel_size - 1) :]
+        # A slice keeps its whole buffer alive: after a prefill chunk, every layer would hold the
+        # chunk's conv input (2048 x 8192 values a layer for a 9B) instead of its last K-1 rows.
+        cache.conv_state = mx.contiguous(conv_state) if k.shape[1] > COMPILED_TOKENS else conv_state
         cache.state = state
         cache.offset += k.shape[1]
 
@@ -237,8 +280,22 @@ class Attention(nn.Module):
     def attend(self, queries, keys, values, cache: Optional[KVCache]) -> mx.array:
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
-        mask = "causal" if queries.shape[2] > 1 else None
-        return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
+        T, L = queries.shape[2], keys.shape[2]
+        rows = attention_rows(self.n_heads, T, L)
+        if rows is None:
+            mask = "causal" if T > 1 else None
+            return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
+        # Row blocks, each over the keys up to its last row, each made to wait for the one before:
+        # left independent, MLX runs them side by side with every block's scores alive at once.
+        # (An mx.eval per block bounds memory as well but measured 20% slower over a prefill.)
+        past, heads = L - T, []
+        for s in range(0, T, rows):
+            end = past + min(s + rows, T)
+            q = queries[:, :, s : s + rows]
+            if heads:
+                q = mx.depends(q, heads[-1])
+            heads.append(cpu_attention(q, keys[:, :, :end], values[:, :, :end], self.scale))
+        return heads[0] if len(heads) == 1 else mx.concatenate(heads, axis=2)
 
     def output(self, heads, gate):
         B, _, T, _ = heads.shape
@@ -372,14 +429,22 @@ class Model(nn.Module):
         cache: Optional[list] = None,
         taps: Sequence[int] = (),
         record_tape: bool = False,
+        last_only: bool = False,
     ) -> Tuple[mx.array, Optional[mx.array]]:
         """Logits and, when ``taps`` is given, those layers' outputs concatenated on features.
 
         ``record_tape`` makes every Gated DeltaNet cache keep what ``cache.rollback`` needs.
+        ``last_only``: logits of the last position alone (``[B, 1, V]``), as a prefill chunk needs
+        them: the vocabulary head over every prompt position is about a tenth of a 9B prefill.
         """
         h, tapped = self.run_layers(self.model.embed_tokens(inputs), cache, taps, record_tape)
         hidden = mx.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
-        return self.head(self.model.norm(h)), hidden
+        return self.logits(h, last_only), hidden
+
+    def logits(self, h: mx.array, last_only: bool = False) -> mx.array:
+        """The final norm and the head on the last layer's output (its last position alone with
+        ``last_only``; a pipeline's last stage calls this too)."""
+        return self.head(self.model.norm(h[:, -1:] if last_only else h))
 
     def run_layers(self, h: mx.array, cache: Optional[list], taps: Sequence[int] = (),
                    record_tape: bool = False) -> Tuple[mx.array, Dict[int, mx.array]]:

@@ -294,7 +294,8 @@ class PipelinedTarget:
         self.pipeline.cache = self.pipeline.model.make_cache()
         return [self.upstream] + self.pipeline.cache
 
-    def forward(self, inputs: mx.array, cache: list, taps: Sequence[int] = (), record_tape: bool = False):
+    def forward(self, inputs: mx.array, cache: list, taps: Sequence[int] = (), record_tape: bool = False,
+                last_only: bool = False):
         pipeline, link = self.pipeline, self.pipeline.link
         tapped = bool(taps)
         if tapped and list(taps) != pipeline.taps:
@@ -313,7 +314,7 @@ class PipelinedTarget:
         x = link.recv((1, count, pipeline.width_in(tapped)), DTYPES[dtype], link.prev)
         upstream.offset += count
         h, features = pipeline.run(x, own, tapped, record_tape)
-        logits = pipeline.model.head(pipeline.model.model.norm(h))
+        logits = pipeline.model.logits(h, last_only)
         if not tapped:
             return logits, None
         return logits, pipeline.in_draft_order(features)
