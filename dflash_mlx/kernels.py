@@ -293,7 +293,11 @@ class MetalKernels:
                     f"and is replaced by {FALLBACKS.get(launch.name, 'the pure-MLX reference')} for the rest of this "
                     f"process: {self.checks[key]}", RuntimeWarning, stacklevel=2,
                 )
-        return self.checks[key] is None
+        # A kernel that failed for one signature is not trusted for any other of its specialization:
+        # a bug can hide at some shapes (a wrong gate is right at one step), and decode and verify
+        # must go through one implementation, not ours for one token and the fallback for blocks.
+        return not any(failure is not None for (name, template, _), failure in self.checks.items()
+                       if name == launch.name and template == launch.template)
 
     def _guarded(self, check, launch: Launch) -> Optional[str]:
         try:
