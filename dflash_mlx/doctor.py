@@ -121,9 +121,11 @@ def _context_rows(cache, feed: List[int], windows: List[Optional[int]], block: i
 
 
 def _chunks(context: int, chunk: int, decode: int = 16) -> List[int]:
-    """How a run at ``context`` feeds its caches: the prompt in chunks, then a few decode steps."""
+    """How a run at ``context`` feeds its caches: the prompt in chunks and its last token alone (as
+    ``speculative.prefill``), then a few decode steps."""
     prompt = max(context - decode, 1)
-    return [min(chunk, prompt - s) for s in range(0, prompt, chunk)] + [1] * (context - prompt)
+    ends = sorted({*range(chunk, prompt, chunk), prompt - 1, prompt} - {0})
+    return [e - s for s, e in zip([0] + ends, ends)] + [1] * (context - prompt)
 
 
 def _draft_windows(draft_args, draft_window: Optional[int]) -> List[Optional[int]]:
@@ -198,8 +200,12 @@ def estimate_memory(target_dir: Path, draft_dir: Optional[Path], draft_quant: Op
     n_attn = sum(t == "full_attention" for t in args.layer_types)
     n_lin = len(args.layer_types) - n_attn
     feed = _chunks(context, chunk)
-    positions = _cache_rows(KVCache(), feed)
-    out["attention KV caches"] = n_attn * 2 * args.num_key_value_heads * args.head_dim * positions * element
+    kv_bytes = n_attn * 2 * args.num_key_value_heads * args.head_dim * element  # per cached position
+    kv, grown, fed = KVCache(), [], 0  # the KV rows after each prompt chunk: the peak may come at any
+    for n in feed:
+        fed += n
+        grown.append((n, fed, _cache_rows(kv, [n])))
+    out["attention KV caches"] = kv_bytes * grown[-1][2]
     state = args.linear_num_value_heads * args.linear_value_head_dim * args.linear_key_head_dim * 4
     conv_dim = 2 * args.linear_num_key_heads * args.linear_key_head_dim + args.linear_num_value_heads * args.linear_value_head_dim
     out["Gated DeltaNet states"] = n_lin * (state + (args.linear_conv_kernel_dim - 1) * conv_dim * element)
@@ -222,7 +228,11 @@ def estimate_memory(target_dir: Path, draft_dir: Optional[Path], draft_quant: Op
         taps = resolve_taps(draft_args.target_layer_ids, draft_args.num_hidden_layers, args.num_hidden_layers)
         draft_layers = sum(w != 0 for w in _draft_windows(draft_args, draft_window))
         draft_kv = draft_args.num_key_value_heads * draft_args.head_dim
-    prefill = prefill_working_memory(args, context, chunk, element, taps, draft_element, draft_layers, draft_kv)
+    # The peak: after some prompt chunk (its working memory over the KV caches so far; the draft's
+    # cache is reserved whole at the start) or in a verify cycle (over the final caches). What it
+    # adds to the final caches is the working memory.
+    prefill = max(kv_bytes * rows + prefill_working_memory(args, end, n, element, taps, draft_element, draft_layers, draft_kv)
+                  for n, end, rows in grown if n > 1 or end == 1) - out["attention KV caches"]
     decode = decode_working_memory(args, block or 1, element, tape)
     out[f"working memory ({'prefill' if prefill >= decode else 'verify'})"] = max(prefill, decode)
     return out

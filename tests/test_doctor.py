@@ -171,24 +171,40 @@ def test_doctor_finds_the_thinking_mode_the_demo_draft_was_trained_for():
     assert check.status == doctor.WARN and "--think" in check.fix, check
 
 
-def test_memory_estimate_agrees_with_a_measured_run():
+def _wide_pair(root):
+    """A tiny float32 pair whose caches are half its peak: attention and draft layers with 256-wide
+    heads (16 KB of KV per token), so that an estimate without them is off by far more than 10%."""
+    from dflash_mlx import tiny
+
+    eos = tiny.write_tokenizer(root / "target", 512)
+    config = tiny.write_target(root / "target", tiny.target_config(
+        512, eos_token_id=eos, num_attention_heads=2, num_key_value_heads=2, head_dim=256,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"]))
+    draft = tiny.draft_config(config, block_size=4)
+    draft.update(head_dim=256, num_key_value_heads=2, num_attention_heads=2)
+    tiny.write_draft(root / "draft", draft)
+    return str(root / "target"), str(root / "draft")
+
+
+@pytest.mark.parametrize("pair,context", [("demo", 4096), ("wide", 3072)])
+def test_memory_estimate_agrees_with_a_measured_run(pair, context, tmp_path):
     """The estimate at a context is within 10% of the peak a DFlash run at that context measures
-    (mx.get_peak_memory): the demo pair, a 4096-token prompt and 8 tokens, where weights, the KV
-    caches, the draft's context cache and a prefill chunk's working memory all count."""
+    (mx.get_peak_memory after the model is loaded on an empty allocator): the demo pair at 4096
+    tokens (mostly a prefill chunk's working memory), and a pair with wide heads at 3072 (KV
+    caches and the draft's context cache half the peak)."""
     import numpy as np
 
-    from dflash_mlx import defaults, load, loading, stream_generate
+    from dflash_mlx import defaults, loading
 
-    context, new = 4096, 8
+    target_dir, draft_dir = defaults.demo() if pair == "demo" else _wide_pair(tmp_path)
+    new = 8
     mx.clear_cache()
     base = mx.get_active_memory()
     mx.reset_peak_memory()
-    model, tokenizer = load("demo")
+    model, tokenizer = load(target_dir, draft=draft_dir)
     prompt = np.random.default_rng(0).integers(3, 400, context - new).tolist()
     for _ in stream_generate(model, tokenizer, prompt, max_tokens=new, block_tokens=model.draft.block_size):
         pass
     measured = mx.get_peak_memory() - base
-    target_dir, draft_dir = defaults.demo()
     estimate = doctor.estimate_memory(loading.resolve_path(target_dir), loading.resolve_path(draft_dir), None, context)
     assert abs(sum(estimate.values()) / measured - 1) < 0.10, (measured, estimate)
-
