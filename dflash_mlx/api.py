@@ -24,7 +24,7 @@ from .pipeline.link import Link
 from .prompt_cache import PromptCache, PromptCachePool
 from .reasoning import partial_suffix
 from .sampling import Sampler
-from .speculative import Cancelled, speculative, target_only
+from .speculative import Cancelled, Commit, speculative, target_only
 
 Prompt = Union[str, Sequence[int], Sequence[Dict[str, Any]], mx.array]
 
@@ -436,7 +436,7 @@ def stream_generate(
     finally:
         steps.close()  # undoes the step in flight: the caches hold exactly the recorded tokens
         if isinstance(prompt_cache, PromptCachePool):
-            prompt_cache.trim()
+            prompt_cache.release(history)
 
 
 def _run_request(model: DFlashModel, request: Dict[str, Any], target: PipelinedTarget):
@@ -476,67 +476,92 @@ def _drafting(model: DFlashModel, sampler: Sampler, setting: BlockTokens, use_dr
 def _responses(steps, tokenizer, prompt_tokens: int, reused: int, stop: Sequence[str], max_tokens: int,
                history: Optional[PromptCache]) -> Iterator[GenerationResponse]:
     """The decode loop's commits as per-token responses: text, stop strings, statistics."""
-    detokenizer = tokenizer.detokenizer
-    detokenizer.reset()
-    stop_text = _StopText(stop)
-    eos = set(tokenizer.eos_token_ids)
-    tic = time.perf_counter()
-    prompt_tps = 0.0
-    n = cycles = accepted = drafted = 0
-    histogram: Dict[int, int] = {}
-    pending: List[int] = []  # the last committed token: the next step feeds it
+    respond = Responder(tokenizer, prompt_tokens, reused, stop, max_tokens, history)
     for commit in steps:
-        if history is not None:
-            history.extend(pending + commit.tokens[:-1])
-            pending = commit.tokens[-1:]
-        if n == 0:
-            prompt_tps = (prompt_tokens - reused) / (time.perf_counter() - tic)
-            tic = time.perf_counter()
+        yield from respond(commit)
+        if respond.finished:
+            return
+
+
+class Responder:
+    """Turns a request's commits, as they come, into per-token responses: text (detokenized, stop
+    strings held back), finish reasons and statistics; records the committed tokens in the
+    request's prompt-cache ``history``. ``finished`` once a response carries a finish reason."""
+
+    def __init__(self, tokenizer, prompt_tokens: int, reused: int, stop: Sequence[str], max_tokens: int,
+                 history: Optional[PromptCache]):
+        self.detokenizer = tokenizer.detokenizer
+        self.detokenizer.reset()
+        self.stop_text = _StopText(stop)
+        self.eos = set(tokenizer.eos_token_ids)
+        self.prompt_tokens, self.reused, self.max_tokens, self.history = prompt_tokens, reused, max_tokens, history
+        self.tic = time.perf_counter()
+        self.prompt_tps = 0.0
+        self.n = self.cycles = self.accepted = self.drafted = 0
+        self.histogram: Dict[int, int] = {}
+        self.pending: List[int] = []  # the last committed token: the next step feeds it
+        self.finished = False
+
+    def __call__(self, commit: Commit) -> List[GenerationResponse]:
+        if self.history is not None:
+            self.history.extend(self.pending + commit.tokens[:-1])
+            self.pending = commit.tokens[-1:]
+        if self.n == 0:
+            self.prompt_tps = (self.prompt_tokens - self.reused) / (time.perf_counter() - self.tic)
+            self.tic = time.perf_counter()
         else:
-            cycles += 1
-            histogram = {**histogram, commit.drafted + 1: histogram.get(commit.drafted + 1, 0) + 1}
-        accepted += commit.accepted
-        drafted += commit.drafted
+            self.cycles += 1
+            self.histogram = {**self.histogram, commit.drafted + 1: self.histogram.get(commit.drafted + 1, 0) + 1}
+        self.accepted += commit.accepted
+        self.drafted += commit.drafted
+        out = []
         for i, token in enumerate(commit.tokens):
-            n += 1
-            finish = None
-            if token in eos:
-                detokenizer.finalize()
-                text, finish = stop_text.push(detokenizer.last_segment)[0] + stop_text.flush(), "stop"
-            else:
-                detokenizer.add_token(token)
-                text, stopped = stop_text.push(detokenizer.last_segment)
-                if stopped:
-                    finish = "stop"
-                elif n >= max_tokens:
-                    detokenizer.finalize()
-                    text += stop_text.push(detokenizer.last_segment)[0] + stop_text.flush()
-                    finish = "length"
-            elapsed = time.perf_counter() - tic
-            yield GenerationResponse(
-                text=text,
-                token=token,
-                logprobs=commit.logprobs[i] if commit.logprobs is not None else None,
-                from_draft=i < commit.accepted,
-                prompt_tokens=prompt_tokens,
-                prompt_tps=prompt_tps,
-                generation_tokens=n,
-                generation_tps=n / elapsed if elapsed > 0 else 0.0,
-                peak_memory=mx.get_peak_memory() / 1e9,
-                finish_reason=finish,
-                cycles=cycles,
-                accepted_tokens=accepted,
-                drafted_tokens=drafted,
-                tokens_per_cycle=(n - 1) / cycles if cycles else 0.0,
-                cached_prompt_tokens=reused,
-                block_tokens=commit.drafted + 1 if cycles else 0,
-                block_histogram=histogram,
-                stop_sequence=stop_text.matched,
-            )
-            if n % 256 == 0:
+            out.append(self._token(commit, i, token))
+            if self.n % 256 == 0:
                 mx.clear_cache()  # MLX's buffer cache handed back every 256 tokens, as mlx-lm does
-            if finish is not None:
-                return
+            if self.finished:
+                break
+        return out
+
+    def _token(self, commit: Commit, i: int, token: int) -> GenerationResponse:
+        self.n += 1
+        n, detokenizer, stop_text = self.n, self.detokenizer, self.stop_text
+        finish = None
+        if token in self.eos:
+            detokenizer.finalize()
+            text, finish = stop_text.push(detokenizer.last_segment)[0] + stop_text.flush(), "stop"
+        else:
+            detokenizer.add_token(token)
+            text, stopped = stop_text.push(detokenizer.last_segment)
+            if stopped:
+                finish = "stop"
+            elif n >= self.max_tokens:
+                detokenizer.finalize()
+                text += stop_text.push(detokenizer.last_segment)[0] + stop_text.flush()
+                finish = "length"
+        self.finished = finish is not None
+        elapsed = time.perf_counter() - self.tic
+        cycles = self.cycles
+        return GenerationResponse(
+            text=text,
+            token=token,
+            logprobs=commit.logprobs[i] if commit.logprobs is not None else None,
+            from_draft=i < commit.accepted,
+            prompt_tokens=self.prompt_tokens,
+            prompt_tps=self.prompt_tps,
+            generation_tokens=n,
+            generation_tps=n / elapsed if elapsed > 0 else 0.0,
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=finish,
+            cycles=cycles,
+            accepted_tokens=self.accepted,
+            drafted_tokens=self.drafted,
+            tokens_per_cycle=(n - 1) / cycles if cycles else 0.0,
+            cached_prompt_tokens=self.reused,
+            block_tokens=commit.drafted + 1 if cycles else 0,
+            block_histogram=self.histogram,
+            stop_sequence=stop_text.matched,
+        )
 
 
 def generate(

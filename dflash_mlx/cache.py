@@ -7,7 +7,7 @@ tape, and ``rollback`` rebuilds the state after the committed prefix by replayin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import List, Optional
 
 import mlx.core as mx
@@ -53,9 +53,64 @@ class GatedDeltaCache:
         self.conv_state = tape.conv_input[:, keep : keep + n_conv]
         self.offset -= steps - keep
 
+    def update(self, conv_state: mx.array, state: mx.array, steps: int, tape: Optional[GatedDeltaTape]) -> None:
+        """After a pass of ``steps`` tokens: the new states, and the tape if it recorded one."""
+        self.conv_state, self.state, self.tape = conv_state, state, tape
+        self.offset += steps
+
     @property
     def arrays(self) -> List[mx.array]:
         return [a for a in (self.conv_state, self.state) if a is not None]
+
+
+class GatedDeltaBatch:
+    """Several sequences' Gated DeltaNet caches seen as one batch for a pass over ``[B, T]``
+    tokens: their states stacked on the batch axis going in, split back coming out (each
+    sequence's tape too, so that each rolls back to its own step count). The recurrence and the
+    convolution run per batch row, so each row's result is the one its sequence gets alone."""
+
+    def __init__(self, members: List[GatedDeltaCache]):
+        self.members = members
+
+    @property
+    def conv_state(self) -> mx.array:
+        return mx.concatenate([m.conv_state for m in self.members])
+
+    @property
+    def state(self) -> mx.array:
+        return mx.concatenate([m.state for m in self.members])
+
+    def update(self, conv_state: mx.array, state: mx.array, steps: int, tape: Optional[GatedDeltaTape]) -> None:
+        for i, m in enumerate(self.members):
+            row = slice(i, i + 1)
+            m.update(conv_state[row], state[row], steps, tape and GatedDeltaTape(
+                tape.start_state[row], tape.conv_input[row], tape.k[row], tape.g[row], _rows(tape.delta, row)))
+
+
+def _rows(tape_part, row: slice):
+    """Batch rows of a tape's delta: an array, or mlx-lm's kernel's step inputs (a tuple of arrays)."""
+    if isinstance(tape_part, mx.array):
+        return tape_part[row]
+    return type(tape_part)(**{f.name: getattr(tape_part, f.name)[row] for f in fields(tape_part)})
+
+
+class KVBatch:
+    """Several sequences' attention caches for a pass over ``[B, T]`` tokens: each row attends
+    over its own cache (no padding joins two sequences' keys; see ``Attention.attend``)."""
+
+    def __init__(self, members: List[KVCache]):
+        self.members = members
+
+    @property
+    def offset(self) -> mx.array:
+        """Each row's position: RoPE takes one offset per batch row."""
+        return mx.array([m.offset for m in self.members])
+
+
+def batch_view(caches: List[list]) -> list:
+    """Per layer, the batch view over several sequences' caches (each a target cache list)."""
+    return [GatedDeltaBatch(list(layer)) if isinstance(layer[0], GatedDeltaCache) else KVBatch(list(layer))
+            for layer in zip(*caches)]
 
 
 def rollback(cache: list, fed: int, keep: int) -> None:

@@ -435,6 +435,8 @@ def serve(
     chat_template_args: Annotated[Optional[str], typer.Option("--chat-template-args", help="""A JSON object of arguments for the chat template of every request, e.g. '{"enable_thinking": false}' (as mlx_lm.server); a request's own (chat_template_kwargs, or its thinking switch) win.""")] = None,
     log_level: Annotated[LogLevel, typer.Option("--log-level", case_sensitive=False, help="Logging level (as mlx_lm.server). At INFO a line per request: method and path, status, seconds, protocol, model, prompt tokens, reused (prefix-cache) tokens, generated tokens, finish reason; refusals (4xx) at WARNING.")] = LogLevel.INFO,
     allowed_origins: Annotated[str, typer.Option("--allowed-origins", help="Origins browsers may call the server from (CORS), comma-separated; '*' (the default, as mlx_lm.server): any.")] = "*",
+    max_concurrent: Annotated[int, typer.Option("--max-concurrent", help="Generations decoded together: their draft blocks go through one draft pass and their rows through one target pass per cycle (an editor's completion does not wait for a chat answer to finish; each answer is the one it gets alone). 1: one at a time, the others wait. Under mlx.launch: 1.")] = 4,
+    max_queue: Annotated[int, typer.Option("--max-queue", help="Requests that may wait for a slot beyond --max-concurrent; more are refused with a 503 and Retry-After.")] = 64,
     stages: Stages = None,
     peer_timeout: PeerTimeout = 30.0,
 ) -> None:
@@ -450,6 +452,10 @@ def serve(
         _fail(f"--max-tokens must be at least 1 (got {max_tokens})")
     if context_size is not None and context_size < 1:
         _fail(f"--context-size must be at least 1 (got {context_size})")
+    if max_concurrent < 1:
+        _fail(f"--max-concurrent must be at least 1 (got {max_concurrent})")
+    if max_queue < 0:
+        _fail(f"--max-queue must not be negative (got {max_queue})")
     sampling = _sampling_defaults(temp, top_p, top_k, min_p)
     template_args = _json_object("--chat-template-args", chat_template_args)
     origins = [o.strip() for o in allowed_origins.split(",") if o.strip()]
@@ -458,12 +464,16 @@ def serve(
     loaded, tokenizer = _load(model, draft, draft_quant, stages, peer_timeout)
     with _ranks(loaded):
         _check_block_tokens((loaded, tokenizer), block_tokens)
+        if loaded.pipeline is not None and max_concurrent > 1:
+            typer.secho(f"--max-concurrent {max_concurrent}: a pipelined target serves one generation at a time "
+                        "(its ranks run one request's cycle in lockstep); serving with 1", err=True)
+            max_concurrent = 1
         name = model_name or served_name(model)
         app_ = create_app(
             loaded, tokenizer, name, api_key=api_key, max_tokens_cap=max_tokens, context_limit=context_size,
             max_request_bytes=max_request_bytes, block_tokens=block_tokens, prompt_cache_bytes=int(prompt_cache_gb * 1e9),
             sampling=sampling, chat_template_args=template_args, allowed_origins=origins, draft_quant=draft_quant,
-            model_aliases=model_alias or (),
+            model_aliases=model_alias or (), max_concurrent=max_concurrent, max_queue=max_queue,
         )
         engine = app_.state.engine
         defaults = ", ".join(f"{k} {v}" for k, v in engine.sampling.items())

@@ -219,24 +219,36 @@ class PromptCachePool:
             raise ValueError(f"the prompt cache budget must not be negative, got {budget_bytes}")
         self.budget_bytes, self.checkpoints = budget_bytes, checkpoints
         self.histories: List[PromptCache] = []  # least recently used first
+        self.busy: List[PromptCache] = []  # taken by a generation not yet released
 
     def take(self, prompt: Sequence[int]) -> PromptCache:
-        """The history to run ``prompt`` on, now the most recently used."""
+        """The history to run ``prompt`` on, now the most recently used, busy until ``release``. A
+        history another generation is running on is never handed out twice: a prompt that matches
+        it best gets a fork at the shared prefix (its arrays are never written in place)."""
         best = max(self.histories, key=lambda h: h.shared_prefix(prompt), default=None)
         shared = best.shared_prefix(prompt) if best is not None else 0
-        if best is not None and shared > 0 and 2 * shared >= len(best.tokens):
+        if best is not None and shared > 0 and 2 * shared >= len(best.tokens) and best not in self.busy:
             chosen = best
         else:
             chosen = (best.fork(shared) if best is not None and shared > 0 else None) or PromptCache(self.checkpoints)
         if chosen in self.histories:
             self.histories.remove(chosen)
         self.histories.append(chosen)
+        self.busy.append(chosen)
         return chosen
 
+    def release(self, history: Optional[PromptCache]) -> None:
+        """The generation on ``history`` is over: it may be taken again; the pool is trimmed."""
+        if history in self.busy:
+            self.busy.remove(history)
+        self.trim()
+
     def trim(self) -> None:
-        """Evict least recently used histories until the pool fits its budget (all but the last)."""
-        while len(self.histories) > 1 and self.nbytes > self.budget_bytes:
-            self.histories.pop(0)
+        """Evict least recently used histories until the pool fits its budget (all but the last,
+        and none a generation is running on)."""
+        idle = [h for h in self.histories[:-1] if h not in self.busy]
+        while idle and self.nbytes > self.budget_bytes:
+            self.histories.remove(idle.pop(0))
 
     def reset(self) -> None:
         self.histories.clear()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Container, Iterator, List, Optional, Sequence, Union
+from typing import Container, Generator, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 
@@ -84,6 +84,29 @@ def prefill(
     ``features_from``: the first position whose features the draft keeps (its context is a window
     of the last tokens): the chunks before it run untapped, their count told to ``on_skipped``.
     """
+    chunks = prefill_chunks(target, prompt, cache, step_size, taps, on_features, split_at, features_from, on_skipped)
+    while True:
+        try:
+            fed = next(chunks)
+        except StopIteration as done:
+            return done.value
+        if on_chunk is not None:
+            on_chunk(fed)
+
+
+def prefill_chunks(
+    target: Target,
+    prompt: mx.array,
+    cache: list,
+    step_size: Optional[int],
+    taps: Sequence[int] = (),
+    on_features=None,
+    split_at: Sequence[int] = (),
+    features_from: int = 0,
+    on_skipped=None,
+) -> Generator[int, None, mx.array]:
+    """``prefill`` one chunk per ``next``: yields the prompt tokens fed so far after each chunk and
+    returns the last position's logits [V]. A scheduler runs decode cycles between the chunks."""
     if prompt.size == 0:
         raise ValueError("the prompt is empty: at least one token is needed")
     step_size = step_size or default_prefill_step()
@@ -105,8 +128,7 @@ def prefill(
             on_skipped(end - start)
         start = end
         mx.clear_cache()  # the chunk's activations go back to the system, as mlx-lm's prefill does
-        if on_chunk is not None:
-            on_chunk(end)
+        yield end
     return logits[0, -1]
 
 

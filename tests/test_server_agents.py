@@ -257,7 +257,7 @@ def test_keepalives_go_out_while_a_request_waits(tmp_path, monkeypatch):
 
     target, draft = tiny.write_pair(tmp_path)
     model, tokenizer = load(str(target), draft=str(draft))
-    app = create_app(model, tokenizer, "tiny", keepalive_seconds=0.02)
+    app = create_app(model, tokenizer, "tiny", keepalive_seconds=0.02, max_concurrent=1)  # the one-at-a-time worker, held back
     from dflash_mlx.server import engine as engine_module
 
     generate = engine_module.stream_generate

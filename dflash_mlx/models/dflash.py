@@ -272,6 +272,19 @@ class ContextCache:
         return self.keys[..., first : used + L, :], self.values[..., first : used + L, :], visible
 
 
+class ContextBatch:
+    """Several sequences' context caches of one draft layer, for one pass over their blocks
+    padded to ``[B, T]``: row i's block is its first ``lengths[i]`` slots (the block attends both
+    ways, so the padding is kept out of its attention; the work outside attention is per row)."""
+
+    def __init__(self, members: List[ContextCache], lengths: Sequence[int]):
+        self.members, self.lengths = members, list(lengths)
+
+    @property
+    def offset(self) -> mx.array:
+        return mx.array([m.offset for m in self.members])
+
+
 class DraftAttention(nn.Module):
     def __init__(self, args: DraftArgs, layer_type: str):
         super().__init__()
@@ -325,6 +338,12 @@ class DraftAttention(nn.Module):
 
     def block_heads(self, q, k, v, cache: ContextCache) -> mx.array:
         """Attention heads of the rotated block over the cached context and itself."""
+        if isinstance(cache, ContextBatch):  # each row's own block over its own context, as alone
+            T, heads = q.shape[2], []
+            for i, (c, n) in enumerate(zip(cache.members, cache.lengths)):
+                h = self.block_heads(q[i : i + 1, :, :n], k[i : i + 1, :, :n], v[i : i + 1, :, :n], c)
+                heads.append(h if n == T else mx.pad(h, [(0, 0), (0, 0), (0, T - n), (0, 0)]))
+            return mx.concatenate(heads)
         if cache.reads_no_context:
             keys, values, n_ctx = k, v, 0
         else:
@@ -535,7 +554,23 @@ class DFlashDraft(nn.Module):
     def propose(self, block: mx.array, cache: List[ContextCache], sampler: Sampler) -> Tuple[mx.array, Optional[mx.array]]:
         """Proposals [L-1] for a block [L], and (sampling) the distributions [L-1, V] they were
         drawn from, which rejection sampling needs."""
-        return propose(self(block[None], cache)[0], sampler)
+        return self.pick(self.hidden(block[None], cache), block, sampler)
+
+    def pick(self, hidden: mx.array, block: mx.array, sampler: Sampler) -> Tuple[mx.array, Optional[mx.array]]:
+        """Proposals (and their distributions) from one block's draft states [1, L-1, H]."""
+        return propose(self.logits(hidden)[0], sampler)
+
+    def propose_batch(self, blocks: Sequence[mx.array], caches: Sequence[List[ContextCache]],
+                      samplers: Sequence[Sampler]) -> List[Tuple[mx.array, Optional[mx.array]]]:
+        """``propose`` for several sequences in one pass: their blocks (any lengths) padded to the
+        longest, each attending over its own context. Row i's proposals are those ``propose`` gives
+        it alone: the padding follows its slots and never enters its attention."""
+        T = max(b.size for b in blocks)
+        padded = mx.stack([b if b.size == T else mx.concatenate([b, mx.full((T - b.size,), self.mask_token_id, b.dtype)])
+                           for b in blocks])
+        lengths = [b.size for b in blocks]
+        hidden = self.hidden(padded, [ContextBatch(list(layer), lengths) for layer in zip(*caches)])
+        return [self.pick(hidden[i : i + 1, : n - 1], b, s) for i, (b, n, s) in enumerate(zip(blocks, lengths, samplers))]
 
     def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
         out = {}

@@ -209,14 +209,12 @@ class GatedDeltaNet(nn.Module):
         if cache is None:
             return
         conv_input, state, k, g, delta = carry
-        if record_tape:
-            cache.tape = GatedDeltaTape(start_state, conv_input, k, g, delta)
+        tape = GatedDeltaTape(start_state, conv_input, k, g, delta) if record_tape else None
         conv_state = conv_input[:, -(self.conv_kernel_size - 1) :]
         # A slice keeps its whole buffer alive: after a prefill chunk, every layer would hold the
         # chunk's conv input (2048 x 8192 values a layer for a 9B) instead of its last K-1 rows.
-        cache.conv_state = mx.contiguous(conv_state) if k.shape[1] > COMPILED_TOKENS else conv_state
-        cache.state = state
-        cache.offset += k.shape[1]
+        conv_state = mx.contiguous(conv_state) if k.shape[1] > COMPILED_TOKENS else conv_state
+        cache.update(conv_state, state, k.shape[1], tape)
 
     def recurrence_mode(self) -> str:
         return self.recurrence.mode(self.head_k_dim, self.num_k_heads, self.head_v_dim, self.num_v_heads)
@@ -278,6 +276,10 @@ class Attention(nn.Module):
         return self.rope(queries, offset=offset), self.rope(keys, offset=offset), values, gate
 
     def attend(self, queries, keys, values, cache: Optional[KVCache]) -> mx.array:
+        members = getattr(cache, "members", None)
+        if members is not None:  # a batch (cache.KVBatch): each row over its own cache, as alone
+            return mx.concatenate([self.attend(queries[i : i + 1], keys[i : i + 1], values[i : i + 1], c)
+                                   for i, c in enumerate(members)])
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
         T, L = queries.shape[2], keys.shape[2]
@@ -357,7 +359,7 @@ class DecoderLayer(nn.Module):
             mixer.update_cache(cache, start_state, carry, record_tape)
             return out
         before, after = self._pieces(mode)
-        q, k, v, gate = before(x, mx.array(0 if cache is None else cache.offset))
+        q, k, v, gate = before(x, mx.array(0) if cache is None else mx.array(cache.offset))
         return after(x, self.self_attn.attend(q, k, v, cache), gate)
 
     def _pieces(self, mode: str):

@@ -313,5 +313,5 @@ def _event(name: str, data: Dict[str, Any]) -> str:
 def error_body(status: int, message: str) -> Dict[str, Any]:
     """Anthropic's error shape."""
     kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-            413: "request_too_large", 429: "rate_limit_error"}.get(status, "api_error")
+            413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}.get(status, "api_error")
     return {"type": "error", "error": {"type": kind, "message": message}}

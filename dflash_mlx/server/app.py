@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..api import DFlashModel
 from . import anthropic, openai, responses
-from .engine import REQUEST_RECORD, Engine, current_engine
+from .engine import DEFAULT_CONCURRENCY, DEFAULT_QUEUE, REQUEST_RECORD, Engine, current_engine
 from .errors import APIError, error_body
 
 LOG = logging.getLogger("dflash_mlx.server")
@@ -151,20 +151,20 @@ async def authorize(request: Request) -> None:
                        code="invalid_api_key")
 
 
-def _error(request: Request, status: int, message: str, kind: str, param=None, code=None) -> JSONResponse:
+def _error(request: Request, status: int, message: str, kind: str, param=None, code=None, headers=None) -> JSONResponse:
     """An error in the shape of the protocol the client spoke (Anthropic's under /v1/messages),
     logged: a refused request leaves a line in the server's output."""
     LOG.warning("%s %s -> %d %s", request.method, request.url.path, status, message)
     if request.url.path.startswith("/v1/messages"):
-        return JSONResponse(anthropic.error_body(status, message), status_code=status)
-    return JSONResponse(error_body(message, kind, param, code), status_code=status)
+        return JSONResponse(anthropic.error_body(status, message), status_code=status, headers=headers)
+    return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)
 
 
 def _add_error_handlers(app: FastAPI, engine: Engine) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
         engine.metrics.count("errors")
-        return _error(request, e.status, e.message, e.kind, e.param, e.code)
+        return _error(request, e.status, e.message, e.kind, e.param, e.code, e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request, e: RequestValidationError):
@@ -222,6 +222,8 @@ def create_app(
     memory_bytes: Optional[int] = None,
     model_aliases: Iterable[str] = (),
     keepalive_seconds: Optional[float] = None,
+    max_concurrent: int = DEFAULT_CONCURRENCY,
+    max_queue: int = DEFAULT_QUEUE,
 ) -> FastAPI:
     """The server's app. ``context_limit`` defaults to the longest context that fits in memory
     (``memory_bytes``, default this machine's) beside the pair's weights (``draft_quant``: how the
@@ -231,10 +233,12 @@ def create_app(
     ``sampling``: the defaults for a request's temperature, top_p, top_k and min_p, over the
     target's generation_config.json; ``chat_template_args``: for every request's chat template
     (the request's own win); ``allowed_origins``: the origins browsers may call from (CORS; ``*``:
-    any); ``model_aliases``: more ids /v1/models lists (any id is served, those without a log line)."""
+    any); ``model_aliases``: more ids /v1/models lists (any id is served, those without a log line).
+    ``max_concurrent``: generations decoded together in one batch (1: one at a time);
+    ``max_queue``: requests that may wait beyond those (more get a 503 with Retry-After)."""
     engine = Engine(model, tokenizer, model_name, context_limit, max_tokens_cap, block_tokens, prompt_cache_bytes,
                     sampling=sampling, chat_template_args=chat_template_args, draft_quant=draft_quant,
-                    memory_bytes=memory_bytes)
+                    memory_bytes=memory_bytes, max_concurrent=max_concurrent, max_queue=max_queue)
     engine.aliases = set(model_aliases) - {model_name}
     if keepalive_seconds is not None:
         engine.keepalive_seconds = keepalive_seconds

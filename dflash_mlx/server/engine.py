@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 from starlette.requests import Request
 
 from ..api import DFlashModel, GenerationResponse, RunTotals, stream_generate
+from ..scheduler import BatchRequest, Scheduler
 from ..pipeline import PeerLost
 from ..prompt_cache import PromptCachePool
 from ..reasoning import START, ReasoningSplitter, opens_reasoning
@@ -147,6 +148,13 @@ class ContextFull(ValueError):
         return self.limit - 1
 
 
+# Generations decoded together (``serve --max-concurrent``): an editor's completion does not wait
+# for a chat answer, and on a Mac four sequences' rows cost about one pass of the weights.
+DEFAULT_CONCURRENCY = 4
+# Requests that may wait beyond those (``--max-queue``); more are refused with a 503 and Retry-After.
+DEFAULT_QUEUE = 64
+RETRY_AFTER_SECONDS = 5
+
 # An answer's length when neither the request, the operator (--max-tokens) nor a context limit bounds it.
 UNBOUNDED_ANSWER = 4096
 # Seconds a stream may stay silent (queued, or prefilling a long prompt) before a keep-alive goes out:
@@ -178,6 +186,12 @@ class Metrics:
     last_tps: float = 0.0
     prompt_cache_bytes: int = 0  # measured by the worker after each generation
     prompt_cache_histories: int = 0
+    active: int = 0  # sequences decoding or prefilling in the batch (--max-concurrent > 1)
+    rows: int = 0  # rows of the batch's last target pass
+    waiting: int = 0  # requests waiting for a slot in the batch
+    first_token_seconds: float = 0.0  # summed over requests: time from submission to the first token
+    first_tokens: int = 0
+    last_first_token_seconds: float = 0.0
     started: float = field(default_factory=time.time)
     # The event loop and the worker thread both count: every update holds this lock.
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -185,6 +199,17 @@ class Metrics:
     def count(self, name: str, delta: int = 1) -> None:
         with self.lock:
             setattr(self, name, getattr(self, name) + delta)
+
+    def set(self, **gauges) -> None:
+        with self.lock:
+            for name, value in gauges.items():
+                setattr(self, name, value)
+
+    def first_token(self, seconds: float) -> None:
+        with self.lock:
+            self.first_token_seconds += seconds
+            self.first_tokens += 1
+            self.last_first_token_seconds = seconds
 
     def add(self, last: GenerationResponse) -> None:
         with self.lock:
@@ -212,6 +237,14 @@ class Metrics:
             ("dflash_last_generation_tokens_per_second", "gauge", "Decode speed of the last request", self.last_tps),
             ("dflash_tokens_per_cycle", "gauge", "Committed tokens per target step", t.tokens_per_cycle),
             ("dflash_acceptance_rate", "gauge", "Accepted share of drafted tokens", t.acceptance_rate),
+            ("dflash_active_sequences", "gauge", "Generations in the batch (decoding or prefilling)", self.active),
+            ("dflash_rows_per_pass", "gauge", "Rows of the batch's last target pass (sequences x block)", self.rows),
+            ("dflash_waiting_requests", "gauge", "Requests waiting for a slot in the batch", self.waiting),
+            ("dflash_time_to_first_token_seconds_sum", "counter", "Seconds from submission to the first token, summed",
+             self.first_token_seconds),
+            ("dflash_time_to_first_token_seconds_count", "counter", "Requests that got a first token", self.first_tokens),
+            ("dflash_last_time_to_first_token_seconds", "gauge", "Time to first token of the latest request",
+             self.last_first_token_seconds),
         ]
         if block_stats is not None:
             rows += [
@@ -242,6 +275,7 @@ class Job:
     cancel_reason: Optional[str] = None
     last: Optional[GenerationResponse] = None  # the latest token's response (for the request's log line)
     error: Optional[str] = None  # why the generation failed, if it did
+    submitted: float = 0.0  # perf_counter at submission (time to first token)
 
     def cancel(self, reason: Optional[str] = None) -> None:
         self.cancel_reason = self.cancel_reason or reason
@@ -268,8 +302,17 @@ class Engine:
                  max_tokens_cap: Optional[int] = None, block_tokens: Union[None, int, str] = "auto",
                  prompt_cache_bytes: int = 4 << 30, sampling: Optional[Dict[str, Any]] = None,
                  chat_template_args: Optional[Dict[str, Any]] = None, draft_quant: Optional[str] = None,
-                 memory_bytes: Optional[int] = None):
+                 memory_bytes: Optional[int] = None, max_concurrent: int = DEFAULT_CONCURRENCY,
+                 max_queue: int = DEFAULT_QUEUE):
+        if max_concurrent < 1:
+            raise ValueError(f"max_concurrent must be at least 1, got {max_concurrent}")
+        if max_queue < 0:
+            raise ValueError(f"max_queue must not be negative, got {max_queue}")
+        if max_concurrent > 1 and model.pipeline is not None:
+            raise ValueError(f"max_concurrent {max_concurrent}: a pipelined target serves one generation at a time "
+                             "(its ranks run one request's cycle in lockstep); use 1")
         self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.max_concurrent, self.max_queue = max_concurrent, max_queue
         self.context_source = "--context-size"
         if context_limit is None:
             context_limit = own = model_context_length(model)
@@ -290,8 +333,10 @@ class Engine:
         self.ignored_fields = IgnoredFields()  # what requests sent that is ignored, logged once per route at WARNING
         self.keepalive_seconds = KEEPALIVE_SECONDS
         self._names_seen: set = set()
+        self.scheduler = Scheduler(model, tokenizer, max_concurrent, self.prompt_caches) if max_concurrent > 1 else None
         # Last: the worker uses every field above.
-        threading.Thread(target=self._work, name="dflash-generate", daemon=True).start()
+        work = self._work if self.scheduler is None else self._schedule
+        threading.Thread(target=work, name="dflash-generate", daemon=True).start()
 
     def sampling_options(self, temperature=None, top_p=None, top_k=None, min_p=None) -> Dict[str, Any]:
         """A request's sampling as ``stream_generate`` takes it: what it gave, else the defaults."""
@@ -356,7 +401,14 @@ class Engine:
         return lambda: ReasoningSplitter(opened, enabled=thinks)
 
     def submit(self, prompt, options: Dict[str, Any]) -> Job:
+        """Queue a generation. Beyond ``max_concurrent`` running and ``max_queue`` waiting, a 503
+        that tells the client when to retry."""
+        if len(self.jobs) >= self.max_concurrent + self.max_queue:
+            raise APIError(503, f"the server is busy: {self.max_concurrent} generations running and {self.max_queue} "
+                           f"waiting (--max-queue); retry in {RETRY_AFTER_SECONDS} s", "server_error",
+                           code="server_busy", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
         job = Job(prompt, {"block_tokens": self.block_tokens, **options}, asyncio.Queue(), asyncio.get_running_loop())
+        job.submitted = time.perf_counter()
         self.metrics.count("queued")
         self.jobs.add(job)
         self.pending.put(job)
@@ -382,6 +434,65 @@ class Engine:
         while True:
             self._run(self.pending.get())
 
+    def _schedule(self) -> None:
+        """The worker with ``max_concurrent`` > 1: new jobs join the scheduler between rounds (it
+        waits for one only when idle); each round is a prefill chunk and a batched cycle."""
+        scheduler = self.scheduler
+        while True:
+            jobs = [self.pending.get()] if scheduler.idle else []
+            while True:
+                try:
+                    jobs.append(self.pending.get_nowait())
+                except queue.Empty:
+                    break
+            for job in jobs:
+                scheduler.submit(self._request(job))
+            try:
+                scheduler.step()
+            except Exception:  # a bug outside any one request: fail them all rather than stop serving
+                LOG.exception("the scheduler failed")
+                for r in [*scheduler.waiting, *scheduler.prefilling, *scheduler.active]:
+                    r.error = r.error or RuntimeError("the scheduler failed")
+                    scheduler._leave(r)
+            self.metrics.set(active=len(scheduler.active) + len(scheduler.prefilling), rows=scheduler.rows,
+                             waiting=len(scheduler.waiting))
+
+    def _request(self, job: Job) -> BatchRequest:
+        """The scheduler's view of a job: its responses go to the job's queue, its end to ``_done``."""
+        options = {k: v for k, v in job.options.items() if k != "prompt_cache"}
+        request = BatchRequest(job.prompt, lambda response: self._emit(job, response), cancelled=job.cancelled.is_set,
+                               **options)
+        request.on_done = lambda: self._done(job, request)
+        return request
+
+    def _emit(self, job: Job, response: GenerationResponse) -> None:
+        if job.last is None:
+            self.metrics.first_token(time.perf_counter() - job.submitted)
+        job.last = response
+        if not job.cancelled.is_set():
+            job.emit("token", response)
+
+    def _done(self, job: Job, request: BatchRequest) -> None:
+        last = job.last
+        if request.error is not None:
+            e = request.error
+            LOG.error("generation failed: %s: %s", type(e).__name__, e, exc_info=e)
+            self.metrics.count("errors")
+            job.error = f"{type(e).__name__}: {e}"
+            job.emit("error", (500, job.error))
+        elif job.cancelled.is_set():
+            self.metrics.count("cancelled")
+            self.metrics.count("cancelled_tokens", last.generation_tokens if last is not None else 0)
+            if job.cancel_reason is not None:
+                job.emit("error", (503, job.cancel_reason))
+        elif last is not None:
+            self.metrics.add(last)
+        self.metrics.prompt_cache_bytes = self.prompt_caches.nbytes
+        self.metrics.prompt_cache_histories = len(self.prompt_caches.histories)
+        self.metrics.count("queued", -1)
+        self.jobs.discard(job)
+        job.emit("done", last)
+
     def _run(self, job: Job) -> None:
         last = None
         try:
@@ -390,6 +501,8 @@ class Engine:
                 stream = stream_generate(self.model, self.tokenizer, job.prompt, prompt_cache=pool,
                                          cancelled=job.cancelled.is_set, **job.options)
                 for last in stream:
+                    if job.last is None:
+                        self.metrics.first_token(time.perf_counter() - job.submitted)
                     job.last = last
                     if job.cancelled.is_set():
                         stream.close()

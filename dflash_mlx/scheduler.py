@@ -1,0 +1,248 @@
+"""Continuous batching: requests join a shared decode batch after their prefill and leave it
+when they finish, each exactly as it would run alone through the same engine.
+
+One scheduling round: cancelled requests leave; waiting ones are admitted while the batch has
+room (in arrival order); the request being prefilled runs one chunk; every active request gets
+one cycle (``batch.BatchDecoder``), its commits turned into responses by its own ``Responder``.
+So active streams pause for at most one prefill chunk while a long prompt comes in, and a
+cancelled request frees its slot at the next round. Everything runs on the caller's thread
+(the server's worker): the prefix caches need no lock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Dict, Generator, List, Optional, Sequence, Union
+
+import mlx.core as mx
+
+from .api import DFlashModel, GenerationResponse, Responder, _drafting, encode_prompt
+from .batch import ROW_LIMIT, BatchDecoder, Sequence as DecodeSequence
+from .block_policy import BlockTokens, FixedBlock
+from .prompt_cache import PromptCache, PromptCachePool
+from .sampling import Sampler
+
+
+@dataclass(eq=False)
+class BatchRequest:
+    """One generation in the scheduler: its prompt, settings and where its responses go.
+
+    ``emit(response)`` gets every response; ``cancelled()`` is polled every round. ``done`` is
+    set when the request has left (finished, cancelled or failed: ``error``)."""
+
+    prompt: Any
+    emit: Callable[[GenerationResponse], None]
+    max_tokens: int = 256
+    block_tokens: Union[None, int, str] = "auto"
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: Optional[Sequence[str]] = None
+    use_draft: bool = True
+    enable_thinking: Optional[bool] = None
+    checkpoint_at: Sequence[int] = ()
+    cancelled: Callable[[], bool] = lambda: False
+    on_done: Optional[Callable[[], None]] = None  # called once the request has left
+    # Filled in by the scheduler
+    arrived: float = field(default_factory=time.perf_counter)
+    first_token: Optional[float] = None  # seconds from arrival to the first response
+    last: Optional[GenerationResponse] = None
+    error: Optional[BaseException] = None
+    done: bool = False
+    _sequence: Optional[DecodeSequence] = None
+    _prefill: Optional[Generator] = None
+    _respond: Optional[Responder] = None
+    _history: Optional[PromptCache] = None
+    _reused: int = 0
+
+
+class Scheduler:
+    """Runs many requests on one model: at most ``max_active`` decoding at once, the rest waiting
+    in arrival order. ``prompt_cache``: the pool every request takes its starting caches from and
+    gives its history back to."""
+
+    def __init__(self, model: DFlashModel, tokenizer, max_active: int = 4, prompt_cache: Optional[PromptCachePool] = None,
+                 prefill_step_size: Optional[int] = None, row_limit: int = ROW_LIMIT):
+        if max_active < 1:
+            raise ValueError(f"max_active must be at least 1, got {max_active}")
+        if model.pipeline is not None:
+            raise ValueError("a pipelined target decodes one request at a time: batching needs every layer here")
+        self.model, self.tokenizer, self.max_active = model, tokenizer, max_active
+        self.prompt_cache, self.prefill_step_size = prompt_cache, prefill_step_size
+        self.decoders: Dict[bool, BatchDecoder] = {}  # with the draft and without (use_draft False)
+        self.row_limit = row_limit
+        self.waiting: Deque[BatchRequest] = deque()
+        self.prefilling: Deque[BatchRequest] = deque()
+        self.active: List[BatchRequest] = []
+        self.rows = 0  # rows of the last target pass (all batches of the round)
+
+    def submit(self, request: BatchRequest) -> None:
+        self.waiting.append(request)
+
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.prefilling or self.active)
+
+    def step(self) -> None:
+        """One round (see the module's docstring)."""
+        for queue in (self.waiting, self.prefilling, self.active):
+            for r in [r for r in queue if r.cancelled()]:
+                self._leave(r)
+        while self.waiting and len(self.prefilling) + len(self.active) < self.max_active:
+            self._admit(self.waiting.popleft())
+        if self.prefilling:
+            self._prefill_chunk(self.prefilling[0])
+        self.rows = 0
+        for use_draft in (True, False):
+            batch = [r for r in self.active if (r._sequence.draft_cache is not None) == use_draft]
+            if batch:
+                self._cycle(self._decoder(use_draft), batch)
+
+    def run(self) -> None:
+        """Rounds until every submitted request has left."""
+        while not self.idle:
+            self.step()
+
+    def _decoder(self, use_draft: bool) -> BatchDecoder:
+        if use_draft not in self.decoders:
+            self.decoders[use_draft] = BatchDecoder(self.model.target, self.model.draft if use_draft else None, self.row_limit)
+        return self.decoders[use_draft]
+
+    def _admit(self, r: BatchRequest) -> None:
+        try:
+            if r.max_tokens < 1:
+                raise ValueError(f"max_tokens must be at least 1, got {r.max_tokens}")
+            model = self.model
+            sampler = Sampler(r.temp, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p).for_request(r.seed)
+            draft, chooser = _drafting(model, sampler, BlockTokens.parse(r.block_tokens), r.use_draft, r.seed)
+            chooser = chooser if chooser is None or hasattr(chooser, "choose") else FixedBlock(chooser)
+            ids = encode_prompt(self.tokenizer, r.prompt, r.enable_thinking)
+            history = self.prompt_cache.take(ids.tolist()) if self.prompt_cache is not None else None
+            r._history = history
+            cache = draft_cache = None
+            split_at: List[int] = []
+            if history is not None:
+                r._reused = history.prepare(model.target, draft, ids.tolist(), model.draft_window, r.checkpoint_at)
+                cache, draft_cache = history.cache, history.draft_cache
+                split_at = [p - r._reused for p in history.split_points()]
+            r._respond = Responder(self.tokenizer, ids.size, r._reused, r.stop or [], r.max_tokens, history)
+            r._prefill = self._decoder(draft is not None).start(
+                ids[r._reused:], sampler, chooser, cache, draft_cache, model.draft_window, r.max_tokens,
+                set(self.tokenizer.eos_token_ids), self.prefill_step_size, split_at)
+        except Exception as e:
+            r.error = e
+            self._leave(r)
+            return
+        self.prefilling.append(r)
+
+    def _prefill_chunk(self, r: BatchRequest) -> None:
+        try:
+            fed = next(r._prefill)
+        except StopIteration as finished:
+            self.prefilling.remove(r)
+            r._sequence, commit = finished.value
+            self.active.append(r)
+            self._respond(r, commit)
+            return
+        except Exception as e:
+            r.error = e
+            self._leave(r)
+            return
+        if r._history is not None:
+            r._history.fed(r._reused + fed)
+
+    def _cycle(self, decoder: BatchDecoder, batch: List[BatchRequest]) -> None:
+        try:
+            commits = decoder.cycle([r._sequence for r in batch])
+        except Exception as e:  # the whole batch's caches are in doubt: every request in it fails
+            for r in batch:
+                r.error = e
+                self._leave(r)
+            return
+        self.rows += decoder.rows
+        for r, commit in zip(batch, commits):
+            self._respond(r, commit)
+
+    def _respond(self, r: BatchRequest, commit) -> None:
+        for response in r._respond(commit):
+            if r.first_token is None:
+                r.first_token = time.perf_counter() - r.arrived
+            r.last = response
+            r.emit(response)
+        if r._respond.finished or r._sequence.done:
+            self._leave(r)
+
+    def _leave(self, r: BatchRequest) -> None:
+        """``r`` leaves: its slot is free, its history goes back to the prompt cache."""
+        for queue in (self.waiting, self.prefilling, self.active):
+            if r in queue:
+                queue.remove(r)
+        if r._sequence is not None:
+            self._decoder(r._sequence.draft_cache is not None).finish(r._sequence)
+        if r._prefill is not None:
+            r._prefill.close()
+        if self.prompt_cache is not None and r._history is not None:
+            self.prompt_cache.release(r._history)
+        r._history = None
+        r.done = True
+        if r.on_done is not None:
+            r.on_done()
+
+
+def batch_generate(model: DFlashModel, tokenizer, prompts: Sequence[Any], max_tokens: Union[int, Sequence[int]] = 128,
+                   max_active: Optional[int] = None, verbose: bool = False, **options) -> "BatchResponse":
+    """Generate for several prompts at once, as ``mlx_lm.batch_generate`` does: the texts in the
+    prompts' order, with statistics. Every prompt goes through the same batched engine as the
+    server's requests (``max_active`` at once, default all), each answer the one it gets alone.
+    ``options``: those of ``BatchRequest`` (``block_tokens``, ``temp``, ``seed``, ``stop``...)."""
+    if not isinstance(model, DFlashModel):
+        model = DFlashModel(model)
+    limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+    if len(limits) != len(prompts):
+        raise ValueError(f"{len(limits)} max_tokens for {len(prompts)} prompts")
+    texts = [""] * len(prompts)
+    scheduler = Scheduler(model, tokenizer, max_active or max(1, len(prompts)))
+    requests = []
+    tic = time.perf_counter()
+    for i, (prompt, limit) in enumerate(zip(prompts, limits)):
+        def emit(response, i=i):
+            texts[i] += response.text
+        requests.append(BatchRequest(prompt, emit, max_tokens=limit, **options))
+        scheduler.submit(requests[-1])
+    scheduler.run()
+    elapsed = time.perf_counter() - tic
+    for r in requests:
+        if r.error is not None:
+            raise r.error
+    response = BatchResponse(texts, [r.last for r in requests], elapsed)
+    if verbose:
+        print(f"[batch_generate] {len(prompts)} prompts: {response.generation_tokens} tokens in {elapsed:.2f} s, "
+              f"{response.generation_tps:.1f} tokens/s")
+    return response
+
+
+@dataclass
+class BatchResponse:
+    """``batch_generate``'s answer: ``texts`` in the prompts' order and what each request's last
+    response said (its statistics), with the wall time of the whole batch."""
+
+    texts: List[str]
+    responses: List[Optional[GenerationResponse]]
+    seconds: float
+
+    @property
+    def generation_tokens(self) -> int:
+        return sum(r.generation_tokens for r in self.responses if r is not None)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(r.prompt_tokens for r in self.responses if r is not None)
+
+    @property
+    def generation_tps(self) -> float:
+        """All requests' generated tokens over the batch's wall time (prefill included)."""
+        return self.generation_tokens / self.seconds if self.seconds > 0 else 0.0

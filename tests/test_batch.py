@@ -1,0 +1,444 @@
+"""Batched decoding: every sequence in a batch gets exactly what it gets alone.
+
+The oracle of "alone" is the same request run with no batch-mates (bit for bit: tokens and every
+cache after every cycle) and the target decoding by itself (tokens, up to a proven near-tie:
+``test_lossless.assert_lossless``). Batch-mates differ in prompt length, block size, acceptance
+(oracle drafts wrong at scheduled slots), arrival, length, sampling and stop conditions.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Dict, List
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dflash_mlx import tiny
+from dflash_mlx.api import DFlashModel, load
+from dflash_mlx.batch import MIN_ROWS, ROW_LIMIT, BatchDecoder, plan_blocks
+from dflash_mlx.block_policy import AutoBlock, BlockStats, FixedBlock
+from dflash_mlx.cache import GatedDeltaCache
+from dflash_mlx.loading import load_target
+from dflash_mlx.sampling import Sampler, propose
+from dflash_mlx.scheduler import BatchRequest, Scheduler, batch_generate
+from dflash_mlx.speculative import target_only
+from tests.conftest import VOCAB, make_draft, make_hf_moe_target, random_prompts
+from tests.test_lossless import assert_lossless, take
+
+GREEDY = Sampler()
+
+
+class OracleState:
+    """One sequence's oracle: the target's own continuation, wrong at one scheduled slot per cycle
+    (entry ``e``: slot ``e`` wrong, so ``e`` accepted; ``e >= block - 1``: all accepted)."""
+
+    window = None
+    reads_no_context = False
+
+    def __init__(self, sequence, schedule):
+        self.sequence, self.schedule = list(sequence), list(schedule)
+        self.position = 0  # tokens whose features reached the draft
+        self.cycle = 0
+
+
+class BatchOracle:
+    """A draft whose every sequence has its own oracle (its cache): batch-mates in one pass get
+    different acceptances."""
+
+    mask_token_id = VOCAB - 1
+    target_layer_ids = [0]
+
+    def __init__(self, block_size=16):
+        self.block_size = block_size
+        self.passes: List[int] = []  # sequences per draft pass
+
+    def cache_for(self, sequence, schedule):
+        return [OracleState(sequence, schedule)]
+
+    def add_context(self, features, cache):
+        cache[0].position += features.shape[1]
+
+    def propose_batch(self, blocks, caches, samplers):
+        self.passes.append(len(blocks))
+        out = []
+        for block, (state,), sampler in zip(blocks, caches, samplers):
+            n = block.size - 1
+            want = state.sequence[state.position + 1 : state.position + 1 + n]
+            want += [0] * (n - len(want))
+            wrong = state.schedule[state.cycle % len(state.schedule)]
+            state.cycle += 1
+            if wrong < n:
+                want[wrong] = (want[wrong] + 1) % (VOCAB - 1)
+            out.append(propose(10.0 * mx.eye(VOCAB)[mx.array(want)], sampler))
+        return out
+
+
+def prefilled(decoder, prompt, sampler=GREEDY, **kwargs):
+    gen = decoder.start(prompt, sampler, **kwargs)
+    while True:
+        try:
+            next(gen)
+        except StopIteration as done:
+            return done.value
+
+
+def snapshot(cache) -> list:
+    """Every array a target cache holds for its sequence (attention up to its length)."""
+    out = []
+    for c in cache:
+        if isinstance(c, GatedDeltaCache):
+            out += [c.conv_state, c.state]
+        else:
+            out += [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
+    mx.eval(out)
+    return out
+
+
+def run_batch(target, draft, specs, joins, record=False):
+    """Decode ``specs`` (dicts: prompt, block, schedule, max_tokens) together, spec i joining at
+    cycle ``joins[i]``: each one's tokens, and (``record``) its cache after every cycle it ran."""
+    decoder = BatchDecoder(target, draft)
+    live, tokens, caches = {}, {i: [] for i in range(len(specs))}, {i: [] for i in range(len(specs))}
+    for cycle in itertools.count():
+        for i, spec in enumerate(specs):
+            if joins[i] == cycle:
+                draft_cache = draft.cache_for(spec["sequence"], spec["schedule"]) if isinstance(draft, BatchOracle) else None
+                seq, commit = prefilled(decoder, spec["prompt"], chooser=FixedBlock(spec["block"]), draft_cache=draft_cache,
+                                        max_tokens=spec["max_tokens"])
+                tokens[i] += commit.tokens
+                if not seq.done:
+                    live[i] = seq
+        if not live and cycle > max(joins):
+            return tokens, caches
+        if live:
+            order = list(live)
+            for i, commit in zip(order, decoder.cycle([live[i] for i in order])):
+                tokens[i] += commit.tokens
+                if record:
+                    caches[i].append(snapshot(live[i].cache))
+                if live[i].done:
+                    del live[i]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(6, VOCAB, seed=21, low=4, high=30)
+
+
+@pytest.fixture(scope="module")
+def references(target, prompts):
+    return [take(target_only(target, p, GREEDY), 60)[0] for p in prompts]
+
+
+def oracle_specs(prompts, references):
+    """Four batch-mates: blocks 4, 8, 16 and plain, each with its own acceptance schedule."""
+    blocks = [4, 8, 16, 1]
+    schedules = [[0, 3, 1, 2], [7, 0, 5, 2, 6], [15, 3, 9, 0, 12], [0]]
+    lengths = [40, 33, 45, 25]
+    return [dict(prompt=p, sequence=p.tolist() + r, block=b, schedule=s, max_tokens=n)
+            for p, r, b, s, n in zip(prompts, references, blocks, schedules, lengths)]
+
+
+@pytest.mark.parametrize("joins", [[0, 0, 0, 0], [0, 2, 5, 1]], ids=["together", "staggered"])
+def test_each_sequence_gets_what_it_gets_alone(target, prompts, references, joins):
+    """Tokens and every cache after every cycle equal the sequence alone, bit for bit; tokens
+    equal the target decoding alone; every acceptance length is met by some sequence."""
+    specs = oracle_specs(prompts, references)
+    together, caches = run_batch(target, BatchOracle(), specs, joins, record=True)
+    for i, spec in enumerate(specs):
+        alone, alone_caches = run_batch(target, BatchOracle(), [spec], [0], record=True)
+        assert together[i] == alone[0], f"sequence {i}"
+        assert len(caches[i]) == len(alone_caches[0])
+        for cycle, (got, want) in enumerate(zip(caches[i], alone_caches[0])):
+            assert all(mx.array_equal(a, b).item() for a, b in zip(got, want)), f"sequence {i}, cycle {cycle}"
+        assert len(together[i]) == spec["max_tokens"]
+        assert_lossless(target, spec["prompt"], references[i][: spec["max_tokens"]], together[i])
+
+
+def test_a_batch_pass_carries_different_acceptances(target, prompts, references):
+    """The oracle's schedules give batch-mates different acceptance lengths in one pass: every
+    length 0..block-1 occurs for the block-8 and block-16 sequences."""
+    specs = oracle_specs(prompts, references)
+    oracle = BatchOracle()
+    decoder = BatchDecoder(target, oracle)
+    seqs = [prefilled(decoder, s["prompt"], chooser=FixedBlock(s["block"]), draft_cache=oracle.cache_for(s["sequence"], s["schedule"] * 4),
+                      max_tokens=400)[0] for s in specs]
+    for s, spec in zip(seqs, specs):
+        s.cache[0]  # noqa: B018 (touch: the sequences are live)
+    seen: Dict[int, set] = {i: set() for i in range(len(specs))}
+    for _ in range(6):
+        for i, commit in enumerate(decoder.cycle(seqs)):
+            seen[i].add(commit.accepted)
+    assert seen[0] == {0, 1, 2, 3} and seen[3] == {0}
+    assert {0, 2, 5, 6, 7} <= seen[1] and {0, 3, 9, 12, 15} <= seen[2]
+    assert max(oracle.passes) == 3  # the plain sequence never drafts
+
+
+def test_the_real_draft_in_a_batch(target, draft, prompts, references):
+    """The tiny random draft (its own attention over each sequence's context, padded blocks of
+    different lengths in one pass): each sequence as alone, and as the target alone."""
+    specs = [dict(prompt=p, block=b, max_tokens=n) for p, b, n in zip(prompts[:4], [2, 16, 5, 1], [30, 24, 36, 20])]
+    together, caches = run_batch(target, draft, specs, [0, 1, 3, 0], record=True)
+    for i, spec in enumerate(specs):
+        alone, alone_caches = run_batch(target, draft, [spec], [0], record=True)
+        assert together[i] == alone[0] and len(caches[i]) == len(alone_caches[0])  # the same cycles
+        for got, want in zip(caches[i][-1], alone_caches[0][-1]):
+            assert mx.array_equal(got, want).item()
+        assert_lossless(target, spec["prompt"], references[i][: spec["max_tokens"]], together[i])
+
+
+@pytest.mark.parametrize("kind", ["DFlash", "DFlash2"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_one_draft_pass_proposes_what_each_block_gets_alone(tmp_path, target, target_config, kind, temperature):
+    """``propose_batch`` over blocks of different lengths and contexts of different lengths (one
+    past a sliding window) gives each block the proposals and distributions ``propose`` gives it
+    alone, bit for bit (sampling: the same draws from the same seeded generator)."""
+    from dflash_mlx import loading
+
+    if kind == "DFlash":
+        draft = make_draft(tmp_path, target, target_config, block_size=8)
+    else:
+        tiny.write_dflash2_draft(tmp_path, tiny.dflash2_config(target_config, block_size=8, sliding_window=20), seed=3)
+        draft = loading.load_draft(tmp_path)[0].bind(target)
+    width = len(draft.target_layer_ids) * target_config["hidden_size"]
+    contexts = [5, 31, 12]
+    caches = [draft.make_cache() for _ in contexts]
+    for cache, n in zip(caches, contexts):
+        draft.add_context(mx.random.normal((1, n, width), key=mx.random.key(n)), cache)
+    blocks = [mx.array([3] + [draft.mask_token_id] * (n - 1)) for n in (4, 8, 2)]
+    samplers = [Sampler(temperature).for_request(seed) for seed in (1, 2, 3)]
+    together = draft.propose_batch(blocks, caches, samplers)
+    samplers = [Sampler(temperature).for_request(seed) for seed in (1, 2, 3)]
+    for (tokens, probs), block, cache, sampler in zip(together, blocks, caches, samplers):
+        alone_tokens, alone_probs = draft.propose(block, cache, sampler)
+        assert mx.array_equal(tokens, alone_tokens).item() and tokens.size == block.size - 1
+        assert (probs is None) == (alone_probs is None) == (temperature == 0)
+        if probs is not None:
+            assert mx.array_equal(probs, alone_probs).item()
+
+
+def test_a_mixture_of_experts_target_in_a_batch(tmp_path):
+    """Routing stays per token: each sequence of a MoE target as alone, and as the target alone."""
+    target, config = load_target(make_hf_moe_target(tmp_path / "moe"))
+    draft = make_draft(tmp_path / "draft", target, config, block_size=8)
+    prompts = random_prompts(3, VOCAB, seed=5, low=5, high=25)
+    specs = [dict(prompt=p, block=b, max_tokens=n) for p, b, n in zip(prompts, [4, 8, 1], [20, 24, 16])]
+    together, _ = run_batch(target, draft, specs, [0, 2, 1])
+    for i, spec in enumerate(specs):
+        alone, _ = run_batch(target, draft, [spec], [0])
+        assert together[i] == alone[0]
+        expected = take(target_only(target, spec["prompt"], GREEDY), spec["max_tokens"])[0]
+        assert_lossless(target, spec["prompt"], expected, together[i])
+
+
+# --- block sizes in a batch ----------------------------------------------------------------------
+
+
+def test_plan_takes_the_longest_block_within_the_row_limit():
+    assert plan_blocks([4, 1, 8]) == (8, [4, 1, 8])
+    assert plan_blocks([1, 1]) == (1, [1, 1])
+    assert plan_blocks([16] * 4) == (16, [16] * 4)  # 64 rows: at the limit
+    assert plan_blocks([16] * 8) == (8, [8] * 8)  # 128 rows wanted: cut to 64
+    assert plan_blocks([16, 2, 1, 4, 16], row_limit=20) == (4, [4, 2, 1, 4, 4])
+    assert plan_blocks([8] * 100, row_limit=ROW_LIMIT) == (1, [1] * 100)  # never below a plain step
+    with pytest.raises(ValueError):
+        plan_blocks([])
+
+
+def pass_seconds(rows: int, drafts: bool) -> float:
+    """A synthetic pass: a fixed cost (reading the weights), a cost per row, and a draft pass."""
+    return 0.010 + 0.0004 * rows + (0.003 if drafts else 0.0)
+
+
+def synthetic_batch(acceptance, cycles: int, seed: int = 0):
+    """Controllers sharing one pair's statistics (as a server's requests do), each with its own
+    acceptance (slot k accepted with probability ``a`` given the ones before; ``acceptance(cycle)``
+    or fixed), each told the batch cycle's time as ``BatchDecoder.cycle`` tells it. The pass length
+    ``T`` and the blocks of every cycle."""
+    rng = np.random.default_rng(seed)
+    stats = BlockStats()
+    count = len(acceptance(0)) if callable(acceptance) else len(acceptance)
+    choosers = [AutoBlock(stats, 16, shadow=True) for _ in range(count)]
+    history = []
+    for cycle in range(cycles):
+        T, blocks = plan_blocks([c.choose() for c in choosers])
+        aheads = [c.shadow_tokens() if b == 1 else 0 for c, b in zip(choosers, blocks)]
+        seconds = pass_seconds(count * max(T, MIN_ROWS), any(b > 1 or a for b, a in zip(blocks, aheads)))
+        rates = acceptance(cycle) if callable(acceptance) else acceptance
+        for c, block, ahead, a in zip(choosers, blocks, aheads, rates):
+            accepted = 0
+            while accepted < block - 1 and rng.random() < a:
+                accepted += 1
+            # A shadow's proposals are graded against the tokens committed after it.
+            committed = [7 if rng.random() < a else 3] + [0] * accepted if ahead else [0] * (accepted + 1)
+            c.observe(block=block, accepted=accepted, seconds=seconds, committed=committed, proposals=[7] * ahead,
+                      context=1000)
+        history.append((T, blocks))
+    return np.array([t for t, _ in history]), np.array([b for _, b in history])
+
+
+def test_a_sequence_that_drafts_badly_never_lengthens_its_batch_mates_pass():
+    """Beside a good drafter, a bad one drafts only within the pass the good one sets (its rows
+    ride free); the pass follows the good drafter. Two bad drafters run plain steps."""
+    T, blocks = synthetic_batch([0.9, 0.0], cycles=400)
+    assert np.mean(blocks[200:, 1] <= blocks[200:, 0]) > 0.95
+    assert np.mean(T[200:]) > 12 and np.mean(T[200:] == blocks[200:, 0]) > 0.95
+    T, blocks = synthetic_batch([0.0, 0.0], cycles=400, seed=1)
+    assert np.mean(blocks[200:] == 1) > 0.9 and np.mean(T[200:] == 1) > 0.9
+
+
+def test_blocks_follow_each_sequences_acceptance_when_it_changes():
+    """Both draft well; then both collapse: the batch goes to plain steps. Then one recovers."""
+    phases = lambda cycle: [0.9, 0.9] if cycle < 200 else [0.0, 0.0] if cycle < 500 else [0.9, 0.0]
+    T, blocks = synthetic_batch(phases, cycles=800, seed=3)
+    assert np.mean(T[100:200]) > 12
+    assert np.mean(T[400:500] == 1) > 0.9, T[400:500]
+    assert np.mean(T[700:]) > 8 and np.mean(blocks[700:, 1] <= blocks[700:, 0]) > 0.95, blocks[700:]
+
+
+# --- the scheduler ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pair_model(tmp_path_factory):
+    target_dir, draft_dir = tiny.write_pair(tmp_path_factory.mktemp("batch_pair"), block_size=8)
+    return load(str(target_dir), draft=str(draft_dir))
+
+
+def schedule(model, tokenizer, specs, arrivals, max_active=4, cancel_after=None):
+    """Run requests through a ``Scheduler``, request i submitted at round ``arrivals[i]``
+    (``cancel_after[i]``: cancelled once it has that many tokens): each one's tokens and text."""
+    scheduler = Scheduler(model, tokenizer, max_active)
+    tokens = {i: [] for i in range(len(specs))}
+    texts = {i: "" for i in range(len(specs))}
+    flags = {i: False for i in range(len(specs))}
+    requests = []
+    for i, spec in enumerate(specs):
+        def emit(response, i=i):
+            tokens[i].append(response.token)
+            texts[i] += response.text
+            if cancel_after and cancel_after.get(i) is not None and len(tokens[i]) >= cancel_after[i]:
+                flags[i] = True
+        requests.append(BatchRequest(emit=emit, cancelled=lambda i=i: flags[i], **spec))
+    for round_ in itertools.count():
+        for i, r in enumerate(requests):
+            if arrivals[i] == round_:
+                scheduler.submit(r)
+        if round_ > max(arrivals) and scheduler.idle:
+            break
+        scheduler.step()
+    assert all(r.error is None for r in requests), [r.error for r in requests]
+    assert all(r.done for r in requests)
+    return tokens, texts, requests
+
+
+def test_staggered_requests_with_a_cancel_and_a_stop_string(pair_model):
+    model, tokenizer = pair_model
+    prompts = [p.tolist() for p in random_prompts(4, 200, seed=9, low=5, high=40)]
+    specs = [dict(prompt=p, max_tokens=n, block_tokens=b) for p, n, b in zip(prompts, [40, 25, 50, 30], [4, "auto", 8, 1])]
+    alone = [schedule(model, tokenizer, [s], [0]) for s in specs]
+    stop_text = alone[2][1][0][30:34]  # four characters from the middle of request 2's answer
+    assert stop_text
+    specs[2]["stop"] = [stop_text]
+    tokens, texts, _ = schedule(model, tokenizer, specs, [0, 2, 3, 7], cancel_after={1: 9})
+    assert tokens[0] == alone[0][0][0] and tokens[3] == alone[3][0][0]
+    assert tokens[1] == alone[1][0][0][: len(tokens[1])] and 9 <= len(tokens[1]) < 25  # cancelled within a cycle
+    assert texts[2] == alone[2][1][0][: alone[2][1][0].index(stop_text)]  # cut before the stop string
+    assert tokens[2] == alone[2][0][0][: len(tokens[2])]
+    for i in (0, 3):  # and each is what the target alone decodes
+        expected = take(target_only(model.target, mx.array(prompts[i]), GREEDY), specs[i]["max_tokens"])[0]
+        assert_lossless(model.target, mx.array(prompts[i]), expected, tokens[i])
+
+
+def test_more_requests_than_slots_wait_in_arrival_order(pair_model):
+    model, tokenizer = pair_model
+    prompts = [p.tolist() for p in random_prompts(5, 200, seed=4, low=5, high=12)]
+    scheduler = Scheduler(model, tokenizer, max_active=2)
+    order = []
+    requests = [BatchRequest(p, emit=lambda r, i=i: order.append(i) if i not in order else None, max_tokens=6, block_tokens=4)
+                for i, p in enumerate(prompts)]
+    for r in requests:
+        scheduler.submit(r)
+    active = []
+    while not scheduler.idle:
+        scheduler.step()
+        active.append(len(scheduler.active) + len(scheduler.prefilling))
+    assert max(active) == 2 and order == [0, 1, 2, 3, 4]
+
+
+def test_a_long_prompt_pauses_the_active_streams_one_chunk_at_a_time(pair_model):
+    """A 700-token prompt in 64-token chunks: each round runs one chunk and one cycle, so the
+    active stream commits between every two chunks."""
+    model, tokenizer = pair_model
+    scheduler = Scheduler(model, tokenizer, 4, prefill_step_size=64)
+    events = []
+    short = BatchRequest(random_prompts(1, 200, seed=1)[0].tolist(), emit=lambda r: events.append("token"), max_tokens=40,
+                         block_tokens=4)
+    scheduler.submit(short)
+    scheduler.step()
+    scheduler.step()
+    long_prompt = random_prompts(1, 200, seed=2, low=700, high=701)[0].tolist()
+    scheduler.submit(BatchRequest(long_prompt, emit=lambda r: None, max_tokens=2))
+    chunks = []
+    while not short.done:
+        before = len(events)
+        scheduler.step()
+        fed = scheduler.prefilling[0] if scheduler.prefilling else None
+        chunks.append((fed is not None, len(events) > before))
+    prefill_rounds = [gotten for prefilling, gotten in chunks if prefilling]
+    assert len(prefill_rounds) >= 10 and all(prefill_rounds)  # the short stream got tokens every round
+
+
+def test_seeded_sampling_does_not_depend_on_batch_mates(pair_model):
+    model, tokenizer = pair_model
+    prompts = [p.tolist() for p in random_prompts(4, 200, seed=13, low=5, high=20)]
+    sampled = dict(prompt=prompts[0], max_tokens=30, block_tokens=4, temp=1.0, top_p=0.95, seed=1234)
+    alone = schedule(model, tokenizer, [sampled], [0])[0][0]
+    mates = [dict(prompt=p, max_tokens=n, block_tokens=b, temp=t, seed=s)
+             for p, n, b, t, s in zip(prompts[1:], [20, 35, 12], [8, 1, 2], [0.0, 0.7, 1.0], [None, 7, None])]
+    for arrivals in ([0, 0, 0, 0], [3, 0, 1, 5]):
+        together = schedule(model, tokenizer, [sampled, *mates], arrivals)[0][0]
+        assert together == alone
+    other_seed = schedule(model, tokenizer, [dict(sampled, seed=99)], [0])[0][0]
+    assert other_seed != alone  # the seed matters (the test could fail)
+
+
+def test_batch_generate_mirrors_mlx_lms(pair_model):
+    model, tokenizer = pair_model
+    prompts = [p.tolist() for p in random_prompts(3, 200, seed=17, low=5, high=20)]
+    out = batch_generate(model, tokenizer, prompts, max_tokens=[12, 20, 7], block_tokens=4)
+    for prompt, text, n in zip(prompts, out.texts, [12, 20, 7]):
+        alone = schedule(model, tokenizer, [dict(prompt=prompt, max_tokens=n, block_tokens=4)], [0])[1][0]
+        assert text == alone
+    counts = [r.generation_tokens for r in out.responses]
+    assert all(c <= n for c, n in zip(counts, [12, 20, 7])) and out.generation_tokens == sum(counts) > 0
+    assert out.generation_tps > 0
+    with pytest.raises(ValueError, match="2 max_tokens for 3 prompts"):
+        batch_generate(model, tokenizer, prompts, max_tokens=[1, 2])
+
+
+def test_prefix_cache_reuse_in_a_batch(pair_model):
+    """Batched requests take their caches from the pool and give their histories back: a resend
+    reuses its prompt, even while its first send's history is busy with another request."""
+    from dflash_mlx.prompt_cache import PromptCachePool
+
+    model, tokenizer = pair_model
+    pool = PromptCachePool(1 << 30)
+    scheduler = Scheduler(model, tokenizer, 4, prompt_cache=pool)
+    prompt = random_prompts(1, 200, seed=3, low=60, high=61)[0].tolist()
+    lasts = {}
+    first = BatchRequest(prompt, emit=lambda r: lasts.__setitem__(0, r), max_tokens=8, block_tokens=4)
+    scheduler.submit(first)
+    scheduler.run()
+    assert lasts[0].cached_prompt_tokens == 0
+    second = BatchRequest(prompt, emit=lambda r: lasts.__setitem__(1, r), max_tokens=30, block_tokens=4)
+    third = BatchRequest(prompt + [5, 6], emit=lambda r: lasts.__setitem__(2, r), max_tokens=8, block_tokens=4)
+    scheduler.submit(second)
+    scheduler.step()
+    scheduler.submit(third)  # the history `second` runs on is busy: a fork of it
+    scheduler.run()
+    assert lasts[1].cached_prompt_tokens == len(prompt) - 1
+    assert lasts[2].cached_prompt_tokens >= len(prompt) - 8  # at least the checkpoint before the fork
+    assert not pool.busy
