@@ -15,11 +15,15 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from mlx_lm.generate import batch_generate as mlx_lm_batch_generate
+
 from .api import DFlashModel, encode_prompt, stream_generate
+from .scheduler import batch_generate
 
 _EDIT_SOURCE = '''import json
 from pathlib import Path
@@ -505,3 +509,68 @@ def plot(path: Path, rows: List[Dict]) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def concurrency_rows(model: DFlashModel, tokenizer, prompts: List[str], levels: List[int], max_tokens: int, chat: bool,
+                     block_tokens: str, mlx_lm_model=None, repeats: int = 1, progress=None) -> List[Dict]:
+    """Requests sent at once, ``c`` of each level (the prompts in turn): DFlash batched, our target
+    alone batched and (``mlx_lm_model``) mlx-lm's ``batch_generate``, run in turn, greedy. Per row:
+    the aggregate tokens per second (every request's tokens over the batch's wall time, prefill
+    included, the same clock for all three), the median request's own rate, and whether each
+    request's tokens equal its answer alone (ours: the request alone through the same engine)."""
+    ids = [encode_prompt(tokenizer, [{"role": "user", "content": p}] if chat else p).tolist() for p in prompts]
+    alone = {i: batch_generate(model, tokenizer, [ids[i]], max_tokens, block_tokens=block_tokens).token_ids[0]
+             for i in range(min(len(ids), max(levels)))}
+    rows, done = [], 0
+    for level in levels:
+        batch = [ids[i % len(ids)] for i in range(level)]
+        expected = [alone[i % len(ids)] for i in range(level)]
+        for _ in range(repeats):
+            for mode in ("dflash", "target", *(["mlx_lm"] if mlx_lm_model is not None else [])):
+                tic = time.perf_counter()
+                if mode == "mlx_lm":
+                    out = mlx_lm_batch_generate(mlx_lm_model, tokenizer, batch, max_tokens=max_tokens, return_token_ids=True)
+                    tokens, rates = out.token_ids, []
+                else:
+                    out = batch_generate(model, tokenizer, batch, max_tokens, block_tokens=block_tokens, use_draft=mode == "dflash")
+                    tokens, rates = out.token_ids, [r.generation_tps for r in out.responses if r is not None]
+                seconds = time.perf_counter() - tic
+                same = [_same_answer(t, e, tokenizer) for t, e in zip(tokens, expected)]
+                rows.append(dict(concurrency=level, mode=mode, seconds=seconds, tokens=sum(len(t) for t in tokens),
+                                 aggregate_tps=sum(len(t) for t in tokens) / seconds,
+                                 request_tps=statistics.median(rates) if rates else None, identical=all(same)))
+                done += 1
+                if progress is not None:
+                    progress(done, f"{mode} x{level}")
+    return rows
+
+
+def _same_answer(got: Sequence[int], expected: Sequence[int], tokenizer) -> bool:
+    """Equal answers, but for a final end-of-sequence token (mlx-lm's batch_generate leaves it out)."""
+    eos = set(tokenizer.eos_token_ids)
+    strip = lambda t: list(t[:-1]) if t and t[-1] in eos else list(t)  # noqa: E731
+    return strip(got) == strip(expected)
+
+
+def concurrency_table(rows: List[Dict]):
+    """Medians per (concurrency, mode) over repeats, against DFlash at concurrency 1 and the
+    target alone at the same concurrency."""
+    from rich.table import Table
+
+    grouped: Dict[tuple, List[Dict]] = {}
+    for r in rows:
+        grouped.setdefault((r["concurrency"], r["mode"]), []).append(r)
+    median = {k: statistics.median(r["aggregate_tps"] for r in v) for k, v in grouped.items()}
+    table = Table(title="requests at once: tokens per second (aggregate: every request's tokens over the wall time)")
+    for name in ("requests", "engine", "aggregate tok/s", "per request tok/s", "vs target batched", "vs mlx-lm batched",
+                 "vs 1 request", "identical"):
+        table.add_column(name, justify="right")
+    names = {"dflash": "DFlash", "target": "target alone", "mlx_lm": "mlx-lm batch_generate"}
+    for (level, mode), runs in sorted(grouped.items(), key=lambda kv: (kv[0][0], ["dflash", "target", "mlx_lm"].index(kv[0][1]))):
+        rate = median[(level, mode)]
+        rates = [r["request_tps"] for r in runs if r["request_tps"] is not None]
+        ratio = lambda other: f"{rate / median[other]:.2f}x" if other in median and other != (level, mode) else "-"  # noqa: E731
+        table.add_row(str(level), names[mode], f"{rate:.1f}", f"{statistics.median(rates):.1f}" if rates else "-",
+                      ratio((level, "target")), ratio((level, "mlx_lm")), ratio((1, mode)),
+                      "yes" if all(r["identical"] for r in runs) else "NO")
+    return table

@@ -301,6 +301,7 @@ def bench(
     chat_template: Annotated[bool, typer.Option("--chat-template/--no-chat-template", help="Wrap prompts in the chat template.")] = True,
     out: Annotated[Optional[Path], typer.Option("--out", help="Write all results as JSON here.")] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG: tok/s per suite side by side, and accepted lengths.")] = None,
+    concurrency: Annotated[Optional[str], typer.Option("--concurrency", help="Instead of the block table: send this many requests at once (comma-separated levels, e.g. 1,2,4; the suites' prompts in turn), greedy, through DFlash batched, our target alone batched and mlx-lm's batch_generate on mlx-lm's build of the target: aggregate and per-request tokens per second, each request's answer checked against the request alone. The block setting is the first of --block-tokens (default auto).")] = None,
     mlx_lm: Annotated[bool, typer.Option("--mlx-lm/--no-mlx-lm", help="Also run mlx-lm's own stream_generate on mlx-lm's build of the target, as a second baseline (loads the target a second time; not under mlx.launch).")] = True,
     stages: Stages = None,
     peer_timeout: PeerTimeout = 30.0,
@@ -329,10 +330,50 @@ def bench(
         if not prompt_file.is_file():
             _fail(f"--prompt-file {prompt_file} does not exist")
         workloads["file"] = bench_lib.load_prompt_file(prompt_file)
+    levels = None
+    if concurrency is not None:
+        try:
+            levels = [int(x) for x in concurrency.split(",") if x.strip()]
+        except ValueError:
+            levels = []
+        if not levels or min(levels) < 1:
+            _fail(f"--concurrency {concurrency!r}: comma-separated request counts, each at least 1 (e.g. 1,2,4)")
+        if temp != 0:
+            _fail("--concurrency compares greedy answers: leave --temp at 0")
     loaded, tokenizer = _load(model, draft, draft_quant, stages, peer_timeout)
     with _ranks(loaded):
+        if levels is not None:
+            if loaded.pipeline is not None:
+                _fail("--concurrency: a pipelined target serves one request at a time")
+            _bench_concurrency(loaded, tokenizer, block_tokens, max_tokens, workloads, levels, repeats, chat_template,
+                               mlx_lm)
+            return
         _bench(loaded, tokenizer, block_tokens, max_tokens, temp, sampling, workloads, contexts, context, repeats,
                chat_template, out, plot, mlx_lm and loaded.pipeline is None, draft_quant)
+
+
+def _bench_concurrency(loaded, tokenizer, block_tokens, max_tokens, workloads, levels, repeats, chat_template,
+                       mlx_lm) -> None:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from . import bench as bench_lib
+
+    if loaded.draft_kind is None:
+        _fail("bench compares with DFlash: give a draft (--draft) or use the default model")
+    block = str(_check_block_tokens((loaded, tokenizer), (block_tokens.split(",")[0].strip() or "auto")))
+    prompts = [p for suite_prompts in workloads.values() for p in suite_prompts]
+    chat = chat_template and tokenizer.chat_template is not None
+    baseline = bench_lib.load_mlx_lm(loaded.target_path) if mlx_lm else None
+    console = Console(stderr=True)
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("requests at once", total=len(levels) * repeats * (2 + (baseline is not None)))
+        rows = bench_lib.concurrency_rows(loaded, tokenizer, prompts, levels, max_tokens, chat, block, baseline, repeats,
+                                          lambda done, what: progress.update(task, completed=done, description=what))
+    Console(width=None if sys.stdout.isatty() else 150).print(bench_lib.concurrency_table(rows))
+    if not all(r["identical"] for r in rows):
+        _fail("a request's answer in a batch differs from its answer alone: please report this")
 
 
 def _bench(loaded, tokenizer, block_tokens, max_tokens, temp, sampling, workloads, contexts, context, repeats,

@@ -205,12 +205,14 @@ def batch_generate(model: DFlashModel, tokenizer, prompts: Sequence[Any], max_to
     if len(limits) != len(prompts):
         raise ValueError(f"{len(limits)} max_tokens for {len(prompts)} prompts")
     texts = [""] * len(prompts)
+    token_ids: List[List[int]] = [[] for _ in prompts]
     scheduler = Scheduler(model, tokenizer, max_active or max(1, len(prompts)))
     requests = []
     tic = time.perf_counter()
     for i, (prompt, limit) in enumerate(zip(prompts, limits)):
         def emit(response, i=i):
             texts[i] += response.text
+            token_ids[i].append(response.token)
         requests.append(BatchRequest(prompt, emit, max_tokens=limit, **options))
         scheduler.submit(requests[-1])
     scheduler.run()
@@ -218,7 +220,7 @@ def batch_generate(model: DFlashModel, tokenizer, prompts: Sequence[Any], max_to
     for r in requests:
         if r.error is not None:
             raise r.error
-    response = BatchResponse(texts, [r.last for r in requests], elapsed)
+    response = BatchResponse(texts, [r.last for r in requests], elapsed, token_ids)
     if verbose:
         print(f"[batch_generate] {len(prompts)} prompts: {response.generation_tokens} tokens in {elapsed:.2f} s, "
               f"{response.generation_tps:.1f} tokens/s")
@@ -233,6 +235,7 @@ class BatchResponse:
     texts: List[str]
     responses: List[Optional[GenerationResponse]]
     seconds: float
+    token_ids: List[List[int]] = field(default_factory=list)  # each answer's tokens (eos included)
 
     @property
     def generation_tokens(self) -> int:
