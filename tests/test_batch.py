@@ -442,3 +442,60 @@ def test_prefix_cache_reuse_in_a_batch(pair_model):
     assert lasts[1].cached_prompt_tokens == len(prompt) - 1
     assert lasts[2].cached_prompt_tokens >= len(prompt) - 8  # at least the checkpoint before the fork
     assert not pool.busy
+
+
+# --- the emulated Mac path, and sampling --------------------------------------------------------------
+
+
+@pytest.mark.slow  # every kernel call runs in the C++ emulator
+def test_a_batch_on_the_emulated_metal_path(tmp_path):
+    """The target as a Mac runs it (Gated DeltaNet layers uncompiled, every recurrence and replay
+    through the Metal kernels, here the emulator): the batch's recurrence runs B rows in one kernel
+    call, each sequence still as alone, bit for bit, and as the target alone."""
+    from tests.conftest import make_hf_target
+    from tests.test_emulated_metal import emulated_recurrence, kernels_used
+
+    heads = dict(linear_num_key_heads=1, linear_num_value_heads=2, linear_value_head_dim=8)
+    target, config = load_target(make_hf_target(tmp_path / "t", dtype="bfloat16", **heads), recurrence=emulated_recurrence())
+    draft = make_draft(tmp_path / "d", target, config, block_size=4)
+    prompts = random_prompts(3, VOCAB, seed=2, low=4, high=12)
+    specs = [dict(prompt=p, block=b, max_tokens=n) for p, b, n in zip(prompts, [4, 1, 3], [10, 8, 12])]
+    together, caches = run_batch(target, draft, specs, [0, 1, 0], record=True)
+    for i, spec in enumerate(specs):
+        alone, alone_caches = run_batch(target, draft, [spec], [0], record=True)
+        assert together[i] == alone[0] and len(caches[i]) == len(alone_caches[0])
+        for got, want in zip(caches[i][-1], alone_caches[0][-1]):
+            assert mx.array_equal(got, want).item()
+        expected = take(target_only(target, spec["prompt"], GREEDY), spec["max_tokens"])[0]
+        assert_lossless(target, spec["prompt"], expected, together[i])
+    assert set(kernels_used(target).values()) == {"ok"}  # the kernels ran, none fell back
+
+
+@pytest.mark.slow  # chi-square over a thousand sampled runs
+def test_sampling_inside_a_batch_follows_the_target(tmp_path_factory):
+    """Four sampled sequences per batch (each its own generator, batch-mates at other blocks): the
+    joint distribution of tokens 2-3 of every one of them is the target's (test_sampling's oracle:
+    mlx-lm's filters, computed exactly)."""
+    from tests import test_sampling as ts
+
+    target, draft = ts.small_pair.__wrapped__(tmp_path_factory)
+    sampler = ts.SAMPLERS[1]
+    counts = np.zeros((ts.V, ts.V))
+    decoder = BatchDecoder(target, draft)
+    generator = Sampler(sampler.temperature, top_p=sampler.top_p, top_k=sampler.top_k, min_p=sampler.min_p)
+    for run in range(ts.SAMPLES // 4):
+        seqs, tokens = [], []
+        for j, block in enumerate([4, 2, 3, 4]):
+            seq, commit = prefilled(decoder, ts.PROMPT, generator.for_request(run * 4 + j), chooser=FixedBlock(block),
+                                    max_tokens=1 + block)
+            seqs.append(seq)
+            tokens.append(list(commit.tokens))
+        live = [s for s in seqs if not s.done]
+        while live and any(len(t) < 3 for t in tokens):
+            for s, commit in zip(live, decoder.cycle(live)):
+                tokens[seqs.index(s)] += commit.tokens
+            live = [s for s in live if not s.done]
+        for t in tokens:
+            counts[t[1], t[2]] += 1
+    pvalue = ts.goodness_of_fit(counts, ts.exact_joint(target, sampler))
+    assert pvalue > 1e-3, f"samples inside a batch do not follow the target (chi-square p={pvalue:.2g})"
