@@ -15,6 +15,7 @@ _EXPORTS = {
     "DFlashModel": "api",
     "serve_pipeline": "api",
     "GenerationResponse": "api",
+    "batch_generate": "scheduler",
     "PromptCache": "prompt_cache",
     "PromptCachePool": "prompt_cache",
     "Sampler": "sampling",
