@@ -1,0 +1,117 @@
+"""Several requests at once against `dflash-mlx serve`, at --max-concurrent 4 and 1.
+
+    python examples/concurrent_requests.py [--model demo] [--requests 4] [--max-tokens 256] [--repeats 2]
+                                           [--long-prompt 16000]
+
+Starts the server twice per repeat (--max-concurrent 4, then 1, alternating), sends the bench's
+`edit` prompts (in turn) all at once, greedy, and reports the wall time until the last answer, the
+speedup of 4 over 1, and whether every answer equals the one its prompt gets alone (sent first,
+by itself, to the same server). With --long-prompt N it then measures how long an active stream
+stalls while an N-token prompt arrives: the largest gap between its tokens (the prompt is
+prefilled one chunk per cycle of the batch), beside the same stream's largest gap alone.
+"""
+
+import argparse
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+from openai import OpenAI
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dflash_mlx.bench import SUITES  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(model: str, concurrent: int):
+    port = free_port()
+    log = tempfile.NamedTemporaryFile(prefix="dflash-serve-", suffix=".log", delete=False)
+    process = subprocess.Popen([sys.executable, "-m", "dflash_mlx.cli", "serve", "--model", model, "--port", str(port),
+                                "--max-concurrent", str(concurrent)], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    process.kill()
+    raise RuntimeError(Path(log.name).read_text())
+
+
+def ask(url: str, prompt: str, max_tokens: int):
+    """The answer's text and the arrival time of each of its chunks."""
+    client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=3600)
+    stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": prompt}],
+                                            max_tokens=max_tokens, temperature=0, stream=True)
+    text, times = "", []
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            text += chunk.choices[0].delta.content
+            times.append(time.perf_counter())
+    return text, times
+
+
+def at_once(url: str, prompts, max_tokens: int):
+    tic = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda p: ask(url, p, max_tokens)[0], prompts))
+    return time.perf_counter() - tic, answers
+
+
+def stall(url: str, prompt: str, long_prompt: str, max_tokens: int) -> float:
+    """The largest gap (s) between a stream's tokens while ``long_prompt`` comes in."""
+    with ThreadPoolExecutor(2) as pool:
+        stream = pool.submit(ask, url, prompt, max_tokens)
+        time.sleep(1.0)
+        pool.submit(ask, url, long_prompt, 4)
+        _, times = stream.result()
+    return max(b - a for a, b in zip(times, times[1:]))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="demo")
+    parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--long-prompt", type=int, default=0, help="words of a long prompt for the stall test")
+    args = parser.parse_args()
+    prompts = [SUITES["edit"][i % len(SUITES["edit"])] for i in range(args.requests)]
+    seconds = {4: [], 1: []}
+    for repeat in range(args.repeats):
+        for concurrent in (4, 1) if repeat % 2 == 0 else (1, 4):
+            process, url = start(args.model, concurrent)
+            try:
+                alone = [ask(url, p, args.max_tokens)[0] for p in prompts[: len(SUITES["edit"])]]
+                at_once(url, prompts[:1], 8)  # warm
+                wall, answers = at_once(url, prompts, args.max_tokens)
+                same = all(a == alone[i % len(alone)] for i, a in enumerate(answers))
+                seconds[concurrent].append(wall)
+                print(f"--max-concurrent {concurrent}: {args.requests} requests at once in {wall:.2f} s; "
+                      f"each answer as alone: {'yes' if same else 'NO'}", flush=True)
+                if args.long_prompt and concurrent == 4 and repeat == 0:
+                    long_prompt = " ".join(f"x{i % 97} = f(x{(i * 7) % 97})" for i in range(args.long_prompt // 4))
+                    alone_gap = stall(url, prompts[0], "hi", args.max_tokens)
+                    gap = stall(url, prompts[0], long_prompt, args.max_tokens)
+                    print(f"largest gap between a stream's tokens: {gap * 1000:.0f} ms while a {args.long_prompt}-word "
+                          f"prompt came in, {alone_gap * 1000:.0f} ms beside a short one", flush=True)
+            finally:
+                process.terminate()
+                process.wait(30)
+    best = {c: sorted(v)[len(v) // 2] for c, v in seconds.items()}
+    print(f"median: --max-concurrent 4 {best[4]:.2f} s, 1 {best[1]:.2f} s: {best[1] / best[4]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
