@@ -499,3 +499,21 @@ def test_sampling_inside_a_batch_follows_the_target(tmp_path_factory):
             counts[t[1], t[2]] += 1
     pvalue = ts.goodness_of_fit(counts, ts.exact_joint(target, sampler))
     assert pvalue > 1e-3, f"samples inside a batch do not follow the target (chi-square p={pvalue:.2g})"
+
+
+def test_the_engine_refuses_to_batch_a_pipelined_target_and_bad_settings():
+    """A pipelined target's ranks run one request's cycle in lockstep: more than one at a time is
+    refused with the reason (``serve`` under mlx.launch then runs with 1 and says so)."""
+    import types
+
+    from dflash_mlx.server.engine import Engine
+
+    pipelined = types.SimpleNamespace(pipeline=object())
+    with pytest.raises(ValueError, match="a pipelined target serves one generation at a time"):
+        Engine(pipelined, None, "m", max_concurrent=2)
+    with pytest.raises(ValueError, match="max_concurrent must be at least 1, got 0"):
+        Engine(pipelined, None, "m", max_concurrent=0)
+    with pytest.raises(ValueError, match="max_queue must not be negative, got -1"):
+        Engine(pipelined, None, "m", max_concurrent=1, max_queue=-1)
+    with pytest.raises(ValueError, match="batching needs every layer here"):
+        Scheduler(pipelined, None)

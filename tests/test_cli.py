@@ -252,6 +252,19 @@ def test_serve_refuses_a_negative_prompt_cache_budget_before_loading():
     assert "--prompt-cache-gb" in cli("serve", "--help").stdout and "--mlx-lm" in cli("bench", "--help").stdout
 
 
+def test_serve_and_bench_refuse_bad_concurrency_settings_before_loading():
+    done = in_process("serve", "--model", "demo", "--max-concurrent", "0")
+    assert done.exit_code == 1 and "--max-concurrent must be at least 1 (got 0)" in done.stderr
+    done = in_process("serve", "--model", "demo", "--max-queue", "-2")
+    assert done.exit_code == 1 and "--max-queue must not be negative (got -2)" in done.stderr
+    done = in_process("bench", "--model", "demo", "--concurrency", "1,x")
+    assert done.exit_code == 1 and "--concurrency '1,x'" in done.stderr
+    done = in_process("bench", "--model", "demo", "--concurrency", "2", "--temp", "0.7")
+    assert done.exit_code == 1 and "leave --temp at 0" in done.stderr
+    help_text = in_process("serve", "--help").stdout
+    assert "--max-concurrent" in help_text and "--max-queue" in help_text
+
+
 def test_serve_log_level_origins_and_context_size():
     done = in_process("serve", "-m", "missing", "--log-level", "LOUD")  # mlx_lm.server's choices only
     assert done.exit_code == 2 and "--log-level" in done.stderr
