@@ -22,6 +22,7 @@ from .models.qwen3_5 import Model as Target
 from .pipeline import Pipeline, PipelinedTarget, stages
 from .pipeline.link import Link
 from .prompt_cache import PromptCache, PromptCachePool
+from .quant import parse_quant
 from .reasoning import partial_suffix
 from .sampling import Sampler
 from .speculative import Cancelled, speculative, target_only
@@ -168,7 +169,7 @@ def load(
     """
     if path_or_hf_repo == defaults.DEMO:
         path_or_hf_repo, draft = defaults.demo(draft)
-    if draft is None and draft_quant not in (None, "none"):
+    if draft is None and parse_quant(draft_quant) is not None:
         raise ValueError("draft_quant was given but no draft")
     target_path = loading.resolve_path(path_or_hf_repo, revision)
     draft_path = loading.resolve_path(draft, draft_revision) if draft is not None else None

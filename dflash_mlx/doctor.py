@@ -187,7 +187,8 @@ def estimate_memory(target_dir: Path, draft_dir: Optional[Path], draft_quant: Op
     from mlx_lm.models.cache import KVCache
 
     from .loading import read_config
-    from .models.dflash import ContextCache, DraftArgs, parse_quant, resolve_taps
+    from .models.dflash import ContextCache, DraftArgs, resolve_taps
+    from .quant import parse_quant
     from .models.qwen3_5 import ModelArgs
     from .speculative import default_prefill_step
 

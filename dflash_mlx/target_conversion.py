@@ -23,6 +23,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from . import loading
+from .checkpoint_files import TARGET_FILES, TOKENIZER_FILES, refuse_existing, staging
+from .errors import ConversionError
+from .quant import parse_quant
 
 SHARD_BYTES = 512 * 1024**2
 # mlx-community's recipe for the mixture of experts: the router and the shared expert's gate stay
@@ -203,12 +206,8 @@ def convert_target(model: str, output: str | Path, quant: Optional[str] = None, 
                    force: bool = False, progress: Optional[Callable[[int, int, int], None]] = None) -> Path:
     """A Hugging Face Qwen3.5 checkpoint (dense or MoE; local folder or repo) -> a text-only MLX
     checkpoint, optionally 4/8-bit, written shard by shard (see the module's docstring)."""
-    from .convert import TARGET_FILES, TOKENIZER_FILES, ConversionError, _staging
-    from .models.dflash import parse_quant
-
     output = Path(output)
-    if output.exists() and not force:
-        raise ConversionError(f"{output} already exists (use --force to replace it)")
+    refuse_existing(output, force)
     parsed = parse_quant(quant)  # a bad spec fails before any download
     source, _ = loading.fetch(model, TARGET_FILES, revision)
     config = loading.read_config(source)
@@ -218,14 +217,14 @@ def convert_target(model: str, output: str | Path, quant: Optional[str] = None, 
         loading.target_kind(config)
     except loading.CheckpointError as e:
         raise ConversionError(str(e)) from e
-    with _staging(output, force) as staging:
-        quantization = convert_tensors(source, config, staging, parsed, progress)
+    with staging(output, force) as folder:
+        quantization = convert_tensors(source, config, folder, parsed, progress)
         text = text_config(config)
         if quantization:
             text["quantization"] = quantization
-        (staging / "config.json").write_text(json.dumps(text, indent=2))
+        (folder / "config.json").write_text(json.dumps(text, indent=2))
         for name in TOKENIZER_FILES:
             if name != "config.json" and (source / name).exists():
-                shutil.copy(source / name, staging / name)
+                shutil.copy(source / name, folder / name)
     return output
 

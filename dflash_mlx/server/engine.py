@@ -67,10 +67,9 @@ def memory_context_limit(model: DFlashModel, draft_quant: Optional[str] = None, 
     if not memory_bytes:
         return None
     draft_dir = model.draft_path if model.draft is not None else None
-    quant = None if draft_quant in (None, "none") else draft_quant
 
     def fits(context: int) -> bool:
-        need = estimate_memory(Path(model.target_path), draft_dir and Path(draft_dir), quant, context, draft_dtype=dtype)
+        need = estimate_memory(Path(model.target_path), draft_dir and Path(draft_dir), draft_quant, context, draft_dtype=dtype)
         return sum(need.values()) + reserve <= memory_bytes
 
     upper = upper or 1 << 20
