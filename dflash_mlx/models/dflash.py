@@ -55,7 +55,6 @@ class DraftArgs:
     mask_token_id: int
     block_size: int = 16
     target_layer_ids: Optional[List[int]] = None
-    num_target_layers: Optional[int] = None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     rope_scaling: Optional[Dict[str, Any]] = None
@@ -342,11 +341,7 @@ class DraftAttention(nn.Module):
         query = mx.arange(L)[:, None]
         key = mx.arange(n_ctx + L)[None] - n_ctx  # block-relative: context keys are negative
         visible = key >= 0 if not self.is_causal else (key >= 0) & (key <= query)
-        if self.sliding_window is not None:
-            visible = visible | ((key < 0) & (query - key < self.sliding_window))
-        else:
-            visible = visible | (key < 0)
-        return visible
+        return visible | ((key < 0) & (query - key < self.sliding_window))  # sliding: the window's context
 
 
 class DraftLayer(nn.Module):
