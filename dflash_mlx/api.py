@@ -17,6 +17,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from . import defaults, device, loading, quantized, traffic
 from .block_policy import AutoBlock, BlockStats, BlockTokens
+from .checkpoint_files import text_part
 from .models.dflash import DFlashDraft, DraftArgs, quantize_draft, resolve_taps
 from .models.qwen3_5 import Model as Target
 from .pipeline import Pipeline, PipelinedTarget, stages
@@ -176,7 +177,7 @@ def load(
     group = mx.distributed.init()
     layout = _PipelineLayout(group, target_path, draft_path, stages) if group.size() > 1 else None
     target, config = loading.load_target(target_path, stage_of=layout.stage_of if layout else None)
-    eos = config.get("eos_token_id") or (config.get("text_config") or {}).get("eos_token_id")
+    eos = config.get("eos_token_id") or text_part(config).get("eos_token_id")
     tokenizer = load_tokenizer(target_path, eos_token_ids=[eos] if isinstance(eos, int) else eos)
     model = DFlashModel(target, target_path=target_path, draft_window=draft_window, draft_path=draft_path)
     if layout is not None:

@@ -1,14 +1,16 @@
-"""Checkpoint folders as files: which files each kind holds (what is fetched), and writing one
-atomically. A leaf that both converters share."""
+"""Checkpoint folders as files: which files each kind holds (what is fetched), a config's text part,
+a safetensors file's header, and writing a folder atomically. A leaf: the converters, the loader,
+the models and doctor share it."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Dict, Iterator, Tuple
 
 from .errors import ConversionError
 
@@ -19,6 +21,20 @@ TOKENIZER_FILES = [
     "tokenizer.model",
 ]
 TARGET_FILES = TOKENIZER_FILES + ["*.safetensors", "*.safetensors.index.json", "preprocessor_config.json"]
+
+
+def text_part(config: Dict) -> Dict:
+    """The text model's part of a config: its ``text_config`` where it nests one (a multimodal
+    Qwen3.5 release), else the config itself (not a copy)."""
+    return config.get("text_config") or config
+
+
+def safetensors_header(file: Path) -> Tuple[Dict, int]:
+    """A safetensors file's header (tensor name -> dtype, shape, data_offsets; ``__metadata__``)
+    and where its data starts, reading no weights."""
+    with open(file, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(length)), 8 + length
 
 
 def refuse_existing(output: Path, force: bool) -> None:

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 
 from . import loading
-from .checkpoint_files import DRAFT_FILES, TOKENIZER_FILES, refuse_existing, staging
+from .checkpoint_files import DRAFT_FILES, TOKENIZER_FILES, refuse_existing, staging, text_part
 from .errors import ConversionError
 from .models.dflash import DraftArgs, quantize_draft, resolve_taps
 from .quant import parse_quant
@@ -87,15 +87,11 @@ def _tokenizer(folder: Path):
         raise ConversionError(f"cannot read the tokenizer in {folder}: {e}") from e
 
 
-def _text_config(config: Dict) -> Dict:
-    return config.get("text_config") or config
-
-
 def check_pair(draft_config: Dict, target_dir: Path, base_tokenizer_dir: Optional[Path] = None) -> PairReport:
     """Does this draft fit this target and its tokenizer? Hard mismatches are errors; a mask id
     on a real token, or tokens the draft never saw, are warnings that name the tokens."""
     report = PairReport()
-    target = _text_config(loading.read_config(target_dir))
+    target = text_part(loading.read_config(target_dir))
     args = DraftArgs.from_dict(draft_config)
     hidden, layers, rows = target["hidden_size"], target["num_hidden_layers"], target["vocab_size"]
     if args.architecture == "DFlash2DraftModel":
@@ -199,7 +195,7 @@ def convert_draft(
     if base_tokenizer:
         base_dir, _ = loading.fetch(base_tokenizer, TOKENIZER_FILES)
     draft_config = loading.read_config(draft_dir)
-    target_layers = _text_config(loading.read_config(target_dir))["num_hidden_layers"]
+    target_layers = text_part(loading.read_config(target_dir))["num_hidden_layers"]
     try:
         report = check_pair(draft_config, target_dir, base_dir)
     except (KeyError, ValueError) as e:

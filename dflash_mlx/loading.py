@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from .checkpoint_files import text_part
 from .errors import CheckpointError
 from .models import dflash as dflash_model
 
@@ -129,7 +130,7 @@ TARGET_TYPES = {"qwen3_5": "dense", "qwen3_5_text": "dense", "qwen3_5_moe": "moe
 def target_kind(config: Dict[str, Any]) -> str:
     """``"dense"`` or ``"moe"`` for a Qwen3.5 target's config (multimodal or text-only)."""
     model_type = config.get("model_type", "")
-    kind = TARGET_TYPES.get(model_type) or TARGET_TYPES.get((config.get("text_config") or {}).get("model_type", ""))
+    kind = TARGET_TYPES.get(model_type) or TARGET_TYPES.get(text_part(config).get("model_type", ""))
     if kind is None:
         raise CheckpointError(f"model_type {model_type!r} is not a Qwen3.5 model (expected one of {', '.join(TARGET_TYPES)})")
     return kind

@@ -1,7 +1,7 @@
 """The decode loops: target alone, and DFlash speculative decoding.
 
 Both yield ``Commit`` records, one per step of the target, so that the API layer treats
-them alike. The speculative cycle (DESIGN.md §3): draft a block in one pass, verify it in one
+them alike. The speculative cycle (docs/design.md, "How it works"): draft a block in one pass, verify it in one
 target pass that records the rollback tape, accept, roll the caches back to the committed
 prefix, hand the committed tokens' features to the draft.
 

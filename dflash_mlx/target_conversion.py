@@ -23,7 +23,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from . import loading
-from .checkpoint_files import TARGET_FILES, TOKENIZER_FILES, refuse_existing, staging
+from .checkpoint_files import TARGET_FILES, TOKENIZER_FILES, refuse_existing, safetensors_header, staging, text_part
 from .errors import ConversionError
 from .quant import parse_quant
 
@@ -77,9 +77,7 @@ def row_readers(source: Path, module_path: Callable[[str], Optional[str]], min_b
 
     readers = {}
     for file in sorted(source.glob("*.safetensors")):
-        with open(file, "rb") as f:
-            length = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(length))
+        header, data = safetensors_header(file)
         for name, entry in header.items():
             if name == "__metadata__" or entry["dtype"] not in _RAW or len(entry["shape"]) != 2:
                 continue
@@ -90,7 +88,7 @@ def row_readers(source: Path, module_path: Callable[[str], Optional[str]], min_b
             raw, dtype = _RAW[entry["dtype"]]
             K = entry["shape"][1]
 
-            def rows(start, stop, file=file, offset=8 + length + begin, K=K, raw=raw, dtype=dtype):
+            def rows(start, stop, file=file, offset=data + begin, K=K, raw=raw, dtype=dtype):
                 count = (stop - start) * K
                 data = np.fromfile(file, dtype=raw, count=count, offset=offset + start * K * np.dtype(raw).itemsize)
                 return mx.array(data.reshape(stop - start, K)).view(dtype)
@@ -190,7 +188,7 @@ def convert_tensors(source: Path, config: Dict, staging: Path, quant: Optional[t
 
 def text_config(config: Dict) -> Dict:
     """The text model's config, as a text-only checkpoint of its kind declares it."""
-    text = dict(config.get("text_config") or config)
+    text = dict(text_part(config))
     moe = loading.target_kind(config) == "moe"
     text["model_type"] = "qwen3_5_moe_text" if moe else "qwen3_5_text"
     text["architectures"] = ["Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"]

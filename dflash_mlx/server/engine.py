@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 from starlette.requests import Request
 
 from ..api import DFlashModel, GenerationResponse, RunTotals, stream_generate
+from ..checkpoint_files import text_part
 from ..pipeline import PeerLost
 from ..prompt_cache import PromptCachePool
 from ..reasoning import START, ReasoningSplitter, opens_reasoning
@@ -45,7 +46,7 @@ def model_context_length(model: DFlashModel) -> Optional[int]:
     if model.target_path is None:
         return None
     config = read_config(model.target_path)
-    value = (config.get("text_config") or config).get("max_position_embeddings", config.get("max_position_embeddings"))
+    value = text_part(config).get("max_position_embeddings", config.get("max_position_embeddings"))
     return int(value) if value else None
 
 
