@@ -17,11 +17,13 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from . import defaults, device, loading, quantized, traffic
 from .block_policy import AutoBlock, BlockStats, BlockTokens
+from .checkpoint_files import text_part
 from .models.dflash import DFlashDraft, DraftArgs, quantize_draft, resolve_taps
 from .models.qwen3_5 import Model as Target
 from .pipeline import Pipeline, PipelinedTarget, stages
 from .pipeline.link import Link
 from .prompt_cache import PromptCache, PromptCachePool
+from .quant import parse_quant
 from .reasoning import partial_suffix
 from .sampling import Sampler
 from .speculative import Cancelled, Commit, speculative, target_only
@@ -168,14 +170,14 @@ def load(
     """
     if path_or_hf_repo == defaults.DEMO:
         path_or_hf_repo, draft = defaults.demo(draft)
-    if draft is None and draft_quant not in (None, "none"):
+    if draft is None and parse_quant(draft_quant) is not None:
         raise ValueError("draft_quant was given but no draft")
     target_path = loading.resolve_path(path_or_hf_repo, revision)
     draft_path = loading.resolve_path(draft, draft_revision) if draft is not None else None
     group = mx.distributed.init()
     layout = _PipelineLayout(group, target_path, draft_path, stages) if group.size() > 1 else None
     target, config = loading.load_target(target_path, stage_of=layout.stage_of if layout else None)
-    eos = config.get("eos_token_id") or (config.get("text_config") or {}).get("eos_token_id")
+    eos = config.get("eos_token_id") or text_part(config).get("eos_token_id")
     tokenizer = load_tokenizer(target_path, eos_token_ids=[eos] if isinstance(eos, int) else eos)
     model = DFlashModel(target, target_path=target_path, draft_window=draft_window, draft_path=draft_path)
     if layout is not None:

@@ -228,10 +228,12 @@ def table(rows: List[Dict], show_context: bool, mlx_lm: bool, sampled: bool, pas
 
 
 def _identical(row: Dict) -> str:
+    """DFlash's outputs against the target's alone; mlx-lm's are named only where they differ."""
+    mlx_lm = " (mlx-lm: NO)" if row.get("mlx_lm_identical") is False else ""
     if row["identical"]:
-        return "yes"
+        return "yes" + mlx_lm
     divergences = row.get("divergences") or []
-    return "near-tie" if divergences and all(d["near_tie"] for d in divergences) else "NO"
+    return ("near-tie" if divergences and all(d["near_tie"] for d in divergences) else "NO") + mlx_lm
 
 
 def default_blocks(draft_block_size: int) -> List[str]:

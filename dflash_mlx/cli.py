@@ -678,7 +678,7 @@ def doctor(
     if tune and model is None:
         _fail("--tune needs --model (the pair whose quantized matmuls to time)")
     try:
-        report = doctor_lib.diagnose(model, draft, None if draft_quant == "none" else draft_quant, context, memory_gb,
+        report = doctor_lib.diagnose(model, draft, draft_quant, context, memory_gb,
                                      probe_tokens, tune=tune, ranks=max(ranks, len(counts or [])), stages=counts)
     except (CheckpointError, ValueError) as e:
         _fail(str(e))

@@ -11,36 +11,25 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
 from . import loading
+from .checkpoint_files import DRAFT_FILES, TOKENIZER_FILES, refuse_existing, staging, text_part
+from .errors import ConversionError
 from .models.dflash import DraftArgs, quantize_draft, resolve_taps
+from .quant import parse_quant
 
 DEFAULT_DRAFT = "z-lab/Qwen3.5-9B-DFlash"
 DEFAULT_TARGET = "Jackrong/Qwopus3.5-9B-Coder"
 # The tokenizer z-lab's Qwen3.5 drafts were trained with.
 DEFAULT_BASE_TOKENIZER = "Qwen/Qwen3.5-9B"
 
-DRAFT_FILES = ["config.json", "*.safetensors", "*.safetensors.index.json"]
-TOKENIZER_FILES = [
-    "config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-    "merges.txt", "added_tokens.json", "chat_template.json", "chat_template.jinja", "generation_config.json",
-    "tokenizer.model",
-]
-TARGET_FILES = TOKENIZER_FILES + ["*.safetensors", "*.safetensors.index.json", "preprocessor_config.json"]
 METADATA_KEY = "dflash_mlx"
-
-
-class ConversionError(loading.CheckpointError):
-    """A conversion that cannot produce a correct output; the message says what to do."""
 
 
 @dataclass
@@ -98,15 +87,11 @@ def _tokenizer(folder: Path):
         raise ConversionError(f"cannot read the tokenizer in {folder}: {e}") from e
 
 
-def _text_config(config: Dict) -> Dict:
-    return config.get("text_config") or config
-
-
 def check_pair(draft_config: Dict, target_dir: Path, base_tokenizer_dir: Optional[Path] = None) -> PairReport:
     """Does this draft fit this target and its tokenizer? Hard mismatches are errors; a mask id
     on a real token, or tokens the draft never saw, are warnings that name the tokens."""
     report = PairReport()
-    target = _text_config(loading.read_config(target_dir))
+    target = text_part(loading.read_config(target_dir))
     args = DraftArgs.from_dict(draft_config)
     hidden, layers, rows = target["hidden_size"], target["num_hidden_layers"], target["vocab_size"]
     if args.architecture == "DFlash2DraftModel":
@@ -168,27 +153,6 @@ def check_pair(draft_config: Dict, target_dir: Path, base_tokenizer_dir: Optiona
     return report
 
 
-@contextmanager
-def _staging(output: Path, force: bool) -> Iterator[Path]:
-    """A temporary folder beside ``output`` that becomes ``output`` only if the body succeeds."""
-    output = output.expanduser().resolve()
-    if output.exists() and not force:
-        raise ConversionError(f"{output} already exists (use --force to replace it)")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
-    try:
-        yield staging
-        if output.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
-            os.replace(output, old / "previous")
-            os.replace(staging, output)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(staging, output)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
 def _model_card(meta: Dict) -> str:
     lines = [
         "# DFlash draft for dflash-mlx",
@@ -223,20 +187,15 @@ def convert_draft(
 ) -> Tuple[Path, PairReport]:
     """Fetch, check and write a ready-to-run MLX draft for ``target``'s tokenizer."""
     output = Path(output)
-    if output.exists() and not force:
-        raise ConversionError(f"{output} already exists (use --force to replace it)")
-    quantize_draft_spec = quant if quant not in (None, "", "none") else None
-    if quantize_draft_spec:
-        from .models.dflash import parse_quant
-
-        parse_quant(quantize_draft_spec)  # a bad spec fails before any download
+    refuse_existing(output, force)
+    parse_quant(quant)  # a bad spec fails before any download
     draft_dir, draft_rev = loading.fetch(draft, DRAFT_FILES, revision)
     target_dir, target_rev = loading.fetch(target, TOKENIZER_FILES, target_revision)
     base_dir = None
     if base_tokenizer:
         base_dir, _ = loading.fetch(base_tokenizer, TOKENIZER_FILES)
     draft_config = loading.read_config(draft_dir)
-    target_layers = _text_config(loading.read_config(target_dir))["num_hidden_layers"]
+    target_layers = text_part(loading.read_config(target_dir))["num_hidden_layers"]
     try:
         report = check_pair(draft_config, target_dir, base_dir)
     except (KeyError, ValueError) as e:
@@ -248,7 +207,7 @@ def convert_draft(
     except (loading.CheckpointError, ValueError) as e:
         raise ConversionError(str(e)) from e
     ids = resolve_taps(model.args.target_layer_ids, model.args.num_hidden_layers, target_layers)
-    quantization = quantize_draft(model, quantize_draft_spec)
+    quantization = quantize_draft(model, quant)
     config = model.args.to_config(ids, target_layers)
     meta = {
         "draft": draft, "draft_revision": draft_rev, "target": target, "target_revision": target_rev,
@@ -259,11 +218,11 @@ def convert_draft(
     config[METADATA_KEY] = meta
     if quantization:
         config["quantization"] = quantization
-    with _staging(output, force) as staging:
-        mx.save_safetensors(str(staging / "model.safetensors"), model.layout_weights())
-        (staging / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    with staging(output, force) as folder:
+        mx.save_safetensors(str(folder / "model.safetensors"), model.layout_weights())
+        (folder / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
         for name in TOKENIZER_FILES:
             if name != "config.json" and (target_dir / name).exists():
-                shutil.copy(target_dir / name, staging / name)
-        (staging / "README.md").write_text(_model_card(meta))
+                shutil.copy(target_dir / name, folder / name)
+        (folder / "README.md").write_text(_model_card(meta))
     return output, report

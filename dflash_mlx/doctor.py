@@ -3,8 +3,6 @@ pair fits in memory at a given context; each problem comes with its fix in one l
 
 from __future__ import annotations
 
-import json
-import struct
 import warnings
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -15,6 +13,7 @@ import mlx.core as mx
 
 from . import device as device_lib
 from . import kernels
+from .checkpoint_files import safetensors_header, text_part
 
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "fail"
 GiB = 1024**3
@@ -63,9 +62,7 @@ def safetensors_bytes(folder: Path, skip=("vision_tower", "model.visual", "visua
     """Tensor name -> (dtype, shape, bytes) from the files' headers, reading no weights."""
     out = {}
     for file in sorted(folder.glob("*.safetensors")):
-        with open(file, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
+        header, _ = safetensors_header(file)
         for name, entry in header.items():
             if name == "__metadata__" or any(s in name for s in skip):
                 continue
@@ -187,7 +184,8 @@ def estimate_memory(target_dir: Path, draft_dir: Optional[Path], draft_quant: Op
     from mlx_lm.models.cache import KVCache
 
     from .loading import read_config
-    from .models.dflash import ContextCache, DraftArgs, parse_quant, resolve_taps
+    from .models.dflash import ContextCache, DraftArgs, resolve_taps
+    from .quant import parse_quant
     from .models.qwen3_5 import ModelArgs
     from .speculative import default_prefill_step
 
@@ -396,7 +394,7 @@ def diagnose(model: Optional[str] = None, draft: Optional[str] = None, draft_qua
         target_dir = loading.resolve_path(model_path)
         draft_dir = loading.resolve_path(draft_path) if draft_path else None
         args = loading.read_config(target_dir)
-        text = args.get("text_config") or args
+        text = text_part(args)
         shapes = kernel_shapes or [(text.get("linear_key_head_dim", 128), text.get("linear_num_key_heads", 16),
                    text.get("linear_value_head_dim", 128), text.get("linear_num_value_heads", 32))]
     _check_kernels(report, metal, shapes)

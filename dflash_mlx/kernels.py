@@ -360,36 +360,52 @@ def _check_calls(launch: Launch, calls: Callable[[int], Launch], steps: int):
     return found
 
 
+def _against_reference(launch: Launch, calls: Callable[[int], Launch],
+                       compare: Callable[[Launch, int, tuple, tuple, float], Optional[str]]) -> Optional[str]:
+    """The loop every self-check runs: each call ``calls`` makes of the launch's signature, with its
+    inputs and the reference's (y, state, delta) on them, goes to ``compare`` (None: it matches;
+    else what differs)."""
+    template = dict(launch.template)
+    dtype = template["InT"]
+    k = launch.inputs[1]
+    for call in _check_calls(launch, calls, k.shape[0] * k.shape[1]):
+        if call.signature != launch.signature:
+            return "its self-check cannot make a call of this signature"
+        T = call.inputs[1].shape[1]
+        inputs = _check_inputs(template, T, dtype)
+        problem = compare(call, T, inputs, gated_delta_reference(*inputs), _Y_TOLERANCE[dtype])
+        if problem:
+            return problem
+    return None
+
+
 def _check_recurrence(metal: MetalKernels, launch: Launch) -> Optional[str]:
     """None if a recurrence kernel matches the reference on small inputs of the call's signature,
     else what went wrong."""
     template = dict(launch.template)
     dtype = template["InT"]
-    k = launch.inputs[1]
     if launch.name == "gated_delta_tape":
         calls = lambda T: gated_delta_launch(*_check_inputs(template, T, dtype))  # noqa: E731
+
+        def compare(call, T, inputs, want, y_tolerance):
+            y, final, delta = metal.run(call)
+            mx.eval(y, final, delta)
+            if not (_close(y, want[0], y_tolerance) and _close(final, want[1], 1e-4) and _close(delta, want[2], 1e-4)):
+                return f"its output differs from the reference (T={T})"
+            return None
     else:
         def calls(T):
             q, k_, v, g, beta, state = _check_inputs(template, T, dtype)
             return tape_replay_launch(state, k_, g, gated_delta_reference(q, k_, v, g, beta, state)[2], T)
-    for call in _check_calls(launch, calls, k.shape[0] * k.shape[1]):
-        if call.signature != launch.signature:
-            return "its self-check cannot make a call of this signature"
-        T = call.inputs[1].shape[1]
-        q, k_, v, g, beta, state = _check_inputs(template, T, dtype)
-        want_y, want_state, want_delta = gated_delta_reference(q, k_, v, g, beta, state)
-        if launch.name == "gated_delta_tape":
-            y, final, delta = metal.run(call)
-            mx.eval(y, final, delta)
-            if not (_close(y, want_y, _Y_TOLERANCE[dtype]) and _close(final, want_state, 1e-4)
-                    and _close(delta, want_delta, 1e-4)):
-                return f"its output differs from the reference (T={T})"
-        else:
+
+        def compare(call, T, inputs, want, y_tolerance):
+            _, k_, _, g, _, state = inputs
             for steps in sorted({0, T // 2, T}):
-                (got,) = metal.run(tape_replay_launch(state, k_, g, want_delta, steps))
-                if not _close(got, tape_replay_reference(state, k_, g, want_delta, steps), 1e-4):
+                (got,) = metal.run(tape_replay_launch(state, k_, g, want[2], steps))
+                if not _close(got, tape_replay_reference(state, k_, g, want[2], steps), 1e-4):
                     return f"its output differs from the reference (T={T}, steps={steps})"
-    return None
+            return None
+    return _against_reference(launch, calls, compare)
 
 
 def _check_mlx_lm(metal: MetalKernels, launch: Launch) -> Optional[str]:
@@ -400,18 +416,14 @@ def _check_mlx_lm(metal: MetalKernels, launch: Launch) -> Optional[str]:
         return "this mlx-lm has no gated_delta kernel to take (models/gated_delta.py)"
     template = dict(launch.template)
     dtype = template["InT"]
-    k = launch.inputs[1]
-    calls = lambda T: mlx_lm_launch(*_check_inputs(template, T, dtype))  # noqa: E731
-    for call in _check_calls(launch, calls, k.shape[0] * k.shape[1]):
-        if call.signature != launch.signature:
-            return "its self-check cannot make a call of this signature"
-        T = call.inputs[1].shape[1]
-        q, k_, v, g, beta, state = _check_inputs(template, T, dtype)
-        want_y, want_state, _ = gated_delta_reference(q, k_, v, g, beta, state)
+
+    def compare(call, T, inputs, want, y_tolerance):
         y, final = metal.run(call)
-        if not (_close(y, want_y, _Y_TOLERANCE[dtype]) and _close(final, want_state, 1e-4)):
+        if not (_close(y, want[0], y_tolerance) and _close(final, want[1], 1e-4)):
             return f"its output differs from the reference (T={T})"
-    return None
+        return None
+
+    return _against_reference(launch, lambda T: mlx_lm_launch(*_check_inputs(template, T, dtype)), compare)
 
 
 @functools.lru_cache(maxsize=None)

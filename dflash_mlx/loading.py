@@ -11,13 +11,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from .checkpoint_files import text_part
+from .errors import CheckpointError
 from .models import dflash as dflash_model
 
 WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, unreadable or does not fit."""
 
 
 def fetch(repo_or_path: str | Path, patterns: List[str], revision: Optional[str] = None) -> Tuple[Path, str]:
@@ -132,7 +130,7 @@ TARGET_TYPES = {"qwen3_5": "dense", "qwen3_5_text": "dense", "qwen3_5_moe": "moe
 def target_kind(config: Dict[str, Any]) -> str:
     """``"dense"`` or ``"moe"`` for a Qwen3.5 target's config (multimodal or text-only)."""
     model_type = config.get("model_type", "")
-    kind = TARGET_TYPES.get(model_type) or TARGET_TYPES.get((config.get("text_config") or {}).get("model_type", ""))
+    kind = TARGET_TYPES.get(model_type) or TARGET_TYPES.get(text_part(config).get("model_type", ""))
     if kind is None:
         raise CheckpointError(f"model_type {model_type!r} is not a Qwen3.5 model (expected one of {', '.join(TARGET_TYPES)})")
     return kind
@@ -171,10 +169,8 @@ def load_target(path: Path, recurrence=None, stage_of=None) -> Tuple[Any, Dict[s
     model, config, weights = read_target(path)
     module_path = qwen3_5.module_path
     if stage_of is not None:
-        from .pipeline.stages import keep_only
-
         stage = stage_of(model, weights)
-        keep_only(model, stage)
+        stage.keep_only(model)
         weights = {name: v for k, v in weights.items() if (name := stage.local_name(k)) is not None}
         module_path = partial(_stage_path, stage)
     quantization = mlx_quantization(config)

@@ -1,7 +1,7 @@
 """The decode loops: target alone, and DFlash speculative decoding.
 
 Both yield ``Commit`` records, one per step of the target, so that the API layer treats
-them alike. The speculative cycle (DESIGN.md §3): draft a block in one pass, verify it in one
+them alike. The speculative cycle (docs/design.md, "How it works"): draft a block in one pass, verify it in one
 target pass that records the rollback tape, accept, roll the caches back to the committed
 prefix, hand the committed tokens' features to the draft.
 
@@ -22,19 +22,10 @@ from .block_policy import BlockChooser, BlockTokens, FixedBlock
 from .cache import cache_arrays, restore, rollback, snapshot
 from .models.dflash import DFlashDraft
 from .models.qwen3_5 import Model as Target
+from .records import Cancelled, Commit
 from .sampling import Sampler, accept
 
 GREEDY = Sampler()  # shadows grade drafts by greedy tokens
-
-
-@dataclass
-class Commit:
-    """Tokens committed by one target step, with the target's log-probs for each."""
-
-    tokens: List[int]
-    logprobs: mx.array  # [len(tokens), V]
-    drafted: int = 0  # draft proposals verified in this step
-    accepted: int = 0  # of which accepted (they are tokens[:accepted])
 
 
 def _logprobs(logits: mx.array) -> mx.array:
@@ -52,10 +43,6 @@ PREFILL_STEP_CPU = 2048
 def default_prefill_step() -> int:
     """The prefill chunk for the backend MLX runs on now."""
     return PREFILL_STEP_CPU if mx.default_device() == mx.cpu else PREFILL_STEP_GPU
-
-
-class Cancelled(Exception):
-    """Raised from an ``on_chunk`` callback to stop a prefill between chunks."""
 
 
 def prefill(

@@ -23,6 +23,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from . import loading
+from .checkpoint_files import TARGET_FILES, TOKENIZER_FILES, refuse_existing, safetensors_header, staging, text_part
+from .errors import ConversionError
+from .quant import parse_quant
 
 SHARD_BYTES = 512 * 1024**2
 # mlx-community's recipe for the mixture of experts: the router and the shared expert's gate stay
@@ -74,9 +77,7 @@ def row_readers(source: Path, module_path: Callable[[str], Optional[str]], min_b
 
     readers = {}
     for file in sorted(source.glob("*.safetensors")):
-        with open(file, "rb") as f:
-            length = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(length))
+        header, data = safetensors_header(file)
         for name, entry in header.items():
             if name == "__metadata__" or entry["dtype"] not in _RAW or len(entry["shape"]) != 2:
                 continue
@@ -87,7 +88,7 @@ def row_readers(source: Path, module_path: Callable[[str], Optional[str]], min_b
             raw, dtype = _RAW[entry["dtype"]]
             K = entry["shape"][1]
 
-            def rows(start, stop, file=file, offset=8 + length + begin, K=K, raw=raw, dtype=dtype):
+            def rows(start, stop, file=file, offset=data + begin, K=K, raw=raw, dtype=dtype):
                 count = (stop - start) * K
                 data = np.fromfile(file, dtype=raw, count=count, offset=offset + start * K * np.dtype(raw).itemsize)
                 return mx.array(data.reshape(stop - start, K)).view(dtype)
@@ -187,7 +188,7 @@ def convert_tensors(source: Path, config: Dict, staging: Path, quant: Optional[t
 
 def text_config(config: Dict) -> Dict:
     """The text model's config, as a text-only checkpoint of its kind declares it."""
-    text = dict(config.get("text_config") or config)
+    text = dict(text_part(config))
     moe = loading.target_kind(config) == "moe"
     text["model_type"] = "qwen3_5_moe_text" if moe else "qwen3_5_text"
     text["architectures"] = ["Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"]
@@ -203,12 +204,8 @@ def convert_target(model: str, output: str | Path, quant: Optional[str] = None, 
                    force: bool = False, progress: Optional[Callable[[int, int, int], None]] = None) -> Path:
     """A Hugging Face Qwen3.5 checkpoint (dense or MoE; local folder or repo) -> a text-only MLX
     checkpoint, optionally 4/8-bit, written shard by shard (see the module's docstring)."""
-    from .convert import TARGET_FILES, TOKENIZER_FILES, ConversionError, _staging
-    from .models.dflash import parse_quant
-
     output = Path(output)
-    if output.exists() and not force:
-        raise ConversionError(f"{output} already exists (use --force to replace it)")
+    refuse_existing(output, force)
     parsed = parse_quant(quant)  # a bad spec fails before any download
     source, _ = loading.fetch(model, TARGET_FILES, revision)
     config = loading.read_config(source)
@@ -218,14 +215,14 @@ def convert_target(model: str, output: str | Path, quant: Optional[str] = None, 
         loading.target_kind(config)
     except loading.CheckpointError as e:
         raise ConversionError(str(e)) from e
-    with _staging(output, force) as staging:
-        quantization = convert_tensors(source, config, staging, parsed, progress)
+    with staging(output, force) as folder:
+        quantization = convert_tensors(source, config, folder, parsed, progress)
         text = text_config(config)
         if quantization:
             text["quantization"] = quantization
-        (staging / "config.json").write_text(json.dumps(text, indent=2))
+        (folder / "config.json").write_text(json.dumps(text, indent=2))
         for name in TOKENIZER_FILES:
             if name != "config.json" and (source / name).exists():
-                shutil.copy(source / name, staging / name)
+                shutil.copy(source / name, folder / name)
     return output
 

@@ -6,7 +6,7 @@ import pytest
 
 from dflash_mlx import tiny
 from dflash_mlx.api import load
-from dflash_mlx.bench import Run, load_mlx_lm, measure, measure_mlx_lm, run_all, summarize
+from dflash_mlx.bench import Run, _identical, load_mlx_lm, measure, measure_mlx_lm, run_all, summarize
 
 
 def run(mode, index, tps, block=None, output=(1, 2, 3)):
@@ -22,6 +22,9 @@ def test_speedups_are_medians_of_every_repeat_on_both_sides():
     assert row["baseline_tps"] == 100 and row["dflash_tps"] == 100 and row["speedup"] == pytest.approx(1.0)
     assert row["mlx_lm_tps"] == 50 and row["speedup_vs_mlx_lm"] == pytest.approx(2.0)
     assert row["identical"] and row["mlx_lm_identical"]
+    assert _identical(row) == "yes"
+    (row,) = summarize(runs[:-1] + [run("mlx_lm", 0, 50, output=(1, 2, 4))])
+    assert row["identical"] and row["mlx_lm_identical"] is False and _identical(row) == "yes (mlx-lm: NO)"
 
 
 def test_medians_span_prompts_and_outputs_are_compared_per_prompt():

@@ -17,6 +17,7 @@ import pytest
 from dflash_mlx import tiny
 from dflash_mlx.api import load
 from dflash_mlx.chat import ChatSession
+from tests import subprocess_env
 from tests.test_lossless import assert_lossless
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +32,7 @@ def pair(tmp_path_factory):
 def cli(*args, env=None, input=None):
     return subprocess.run(
         [sys.executable, "-m", "dflash_mlx.cli", *args], capture_output=True, text=True, cwd=ROOT,
-        env={**os.environ, **(env or {})}, input=input, timeout=300,
+        env=subprocess_env(**(env or {})), input=input, timeout=300,
     )
 
 
@@ -54,7 +55,7 @@ def spawn_chat(pair, *extra):
     target, draft = pair
     child = pexpect.spawn(
         sys.executable, ["-m", "dflash_mlx.cli", "chat", "-m", str(target), "-d", str(draft), "-b", "4", *extra],
-        cwd=str(ROOT), encoding="utf-8", timeout=120, dimensions=(40, 200), preexec_fn=_as_in_a_terminal,
+        cwd=str(ROOT), env=subprocess_env(), encoding="utf-8", timeout=120, dimensions=(40, 200), preexec_fn=_as_in_a_terminal,
     )
     child.expect(">>> ")
     return child

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests import subprocess_env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(*args, input=None, offline=False):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = subprocess_env(PYTHONUNBUFFERED="1")
     if offline:  # no network: any download attempt fails at once
         env.update(HF_HUB_OFFLINE="1", HF_ENDPOINT="http://127.0.0.1:9")
     return subprocess.run(args, capture_output=True, text=True, input=input, env=env, timeout=300, cwd=ROOT)
@@ -63,7 +64,7 @@ def test_chat_with_the_demo_runs_offline():
     """`dflash-mlx chat --model demo` on a fresh machine: no network, a reply, a clean exit."""
     import pexpect
 
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
+    env = subprocess_env(HF_HUB_OFFLINE="1", HF_ENDPOINT="http://127.0.0.1:9")
     child = pexpect.spawn(
         sys.executable, ["-m", "dflash_mlx.cli", "chat", "--model", "demo", "--max-tokens", "24"],
         cwd=str(ROOT), env=env, encoding="utf-8", timeout=120, dimensions=(40, 200),
@@ -77,3 +78,12 @@ def test_chat_with_the_demo_runs_offline():
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
+
+
+def test_cli_subprocesses_run_without_torch():
+    """What ``subprocess_env`` promises: the CLI's import leaves torch out (an import that needed it
+    would fail here), and torch is not imported in the process."""
+    code = "import sys, dflash_mlx.cli, dflash_mlx.api, dflash_mlx.server; print(sys.modules['torch'])"
+    done = run(sys.executable, "-c", code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "None"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pytest
 from dflash_mlx import load, tiny
 from dflash_mlx.sampling import Sampler
 from dflash_mlx.speculative import speculative, target_only
+from tests import subprocess_env
 from tests.fake_hub import FakeHub
 from tests.test_lossless import take
 
@@ -90,7 +90,7 @@ def hub(world):
 
 
 def run_cli(hub, tmp_path, *args, offline=False):
-    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_DISABLE_XET": "1"}
+    env = {**subprocess_env(), "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_DISABLE_XET": "1"}
     env.pop("HF_HUB_OFFLINE", None)
     if offline:
         env["HF_HUB_OFFLINE"] = "1"

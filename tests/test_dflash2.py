@@ -11,7 +11,7 @@ from dflash_mlx import loading, tiny
 from dflash_mlx import speculative as loop
 from dflash_mlx.models.dflash2 import DFlash2Draft, grouped_dynamic_convolve
 from dflash_mlx.sampling import Sampler
-from tests import test_sampling
+from tests import subprocess_env, test_sampling
 from tests.conftest import VOCAB, make_hf_target, random_prompts
 from tests.test_interop import zlab_load
 from tests.test_lossless import assert_lossless, take
@@ -211,7 +211,7 @@ def test_the_cli_says_which_kind_a_draft_is(dflash2_dir, hf_target_dir):
 
     done = subprocess.run([sys.executable, "-m", "dflash_mlx.cli", "generate", "-m", str(hf_target_dir), "-d", str(dflash2_dir),
                            "-p", "def f(x):", "--max-tokens", "12", "--block-tokens", "4", "--json", "--no-chat-template"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=subprocess_env())
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["draft"] == "DFlash2"
 

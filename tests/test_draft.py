@@ -13,9 +13,9 @@ from dflash_mlx import load, loading, tiny
 from dflash_mlx.models.dflash import (
     DraftArgs,
     evenly_spaced_layer_ids,
-    parse_quant,
     quantize_draft,
 )
+from dflash_mlx.quant import parse_quant
 from dflash_mlx.sampling import Sampler
 from dflash_mlx.speculative import speculative, target_only
 from tests.conftest import VOCAB, make_draft, random_prompts

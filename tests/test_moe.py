@@ -14,6 +14,7 @@ from dflash_mlx.loading import CheckpointError, load_target
 from dflash_mlx.models import qwen3_5_moe
 from dflash_mlx.sampling import Sampler
 from dflash_mlx.speculative import speculative, target_only
+from tests import subprocess_env
 from tests.conftest import VOCAB, make_draft, make_hf_moe_target, random_prompts
 from tests.test_lossless import (
     OracleDraft,
@@ -234,12 +235,13 @@ def test_a_nested_schema_draft_for_a_moe_target_converts_and_is_lossless(tmp_pat
     tiny.write_draft(tmp_path / "zlab", tiny.draft_config(text, block_size=8, target_layer_ids=list(range(8))), seed=3)
     done = subprocess.run([sys.executable, "-m", "dflash_mlx.cli", "convert", "--out", str(tmp_path / "out"), "--draft",
                            str(tmp_path / "zlab"), "--target", str(target_dir), "--base-tokenizer", "none"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=subprocess_env())
     assert done.returncode == 0, done.stderr
     model, _ = api.load(str(target_dir), draft=str(tmp_path / "out"))
     assert isinstance(model.target, qwen3_5_moe.Model) and model.draft.target_layer_ids == list(range(8))
     cli = subprocess.run([sys.executable, "-m", "dflash_mlx.cli", "generate", "-m", str(target_dir), "-d", str(tmp_path / "out"),
-                          "-p", "w1 w2 w3", "--max-tokens", "12", "--no-chat-template", "--json"], capture_output=True, text=True, timeout=300)
+                          "-p", "w1 w2 w3", "--max-tokens", "12", "--no-chat-template", "--json"], capture_output=True, text=True, timeout=300,
+                         env=subprocess_env())
     assert cli.returncode == 0, cli.stderr
     assert json.loads(cli.stdout)["generation_tokens"] == 12
     for prompt in random_prompts(4, VOCAB, seed=9):

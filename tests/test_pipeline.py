@@ -24,6 +24,7 @@ from dflash_mlx import tiny
 from dflash_mlx.cache import restore, snapshot
 from dflash_mlx.pipeline import stages
 from dflash_mlx.pipeline.cycle import Upstream, _commit
+from tests import subprocess_env
 from tests.conftest import VOCAB, make_hf_moe_target, random_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +58,7 @@ def _niced() -> None:
 def launch(tmp_path: Path, ranks: int, argv: list, **popen) -> list:
     """``ranks`` processes of ``argv``, each given its rank as mlx.launch gives it."""
     hosts = hostfile(tmp_path, ranks)
-    return [subprocess.Popen(argv, env={**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hosts)},
+    return [subprocess.Popen(argv, env=subprocess_env(MLX_RANK=str(r), MLX_HOSTFILE=str(hosts)),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_niced, **popen)
             for r in range(ranks)]
 
@@ -200,7 +201,8 @@ def test_generate_under_mlx_launch_prints_what_one_process_prints(tmp_path, quan
                                                          max_tokens=24, block_tokens="4", enable_thinking=False)]
     port = free_ports(1)[0]
     launched = subprocess.run(["mlx.launch", "--backend", "ring", "-n", "2", "--starting-port", str(port),
-                               *cli, *args], capture_output=True, text=True, timeout=150, preexec_fn=_niced)
+                               *cli, *args], capture_output=True, text=True, timeout=150, preexec_fn=_niced,
+                              env=subprocess_env())
     assert launched.returncode == 0, launched.stderr[-3000:]
     records = [json.loads(line) for line in launched.stdout.splitlines() if line.startswith("{")]
     assert len(records) == 1, f"only rank 0 prints: {launched.stdout!r}"

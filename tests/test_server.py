@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from dflash_mlx import generate, tiny
 from dflash_mlx.api import load
+from tests import subprocess_env
 from tests.scripted import write_scripted_pair
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +55,7 @@ def start_server(target, draft, *options):
     with open(log, "w") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "dflash_mlx.cli", "serve", "-m", str(target), "-d", str(draft), "--port", str(port), *options],
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True, env=subprocess_env(),
         )
     process.log = log
     url = f"http://127.0.0.1:{port}"

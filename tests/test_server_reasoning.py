@@ -7,6 +7,7 @@ import pytest
 
 from dflash_mlx import generate
 from dflash_mlx.api import load
+from tests import subprocess_env
 from tests.scripted import openai_client, write_scripted_pair
 
 REASONING, ANSWER = "The quick brown fox", " jumps over a block"
@@ -111,14 +112,13 @@ def test_chat_shows_the_reasoning_dimmed_and_keeps_it_apart(local):
 
 
 def test_slash_think_toggles_thinking(pair):
-    import os
     import sys
 
     import pexpect
 
     child = pexpect.spawn(sys.executable, ["-m", "dflash_mlx.cli", "chat", "-m", str(pair[0]), "-d", str(pair[1]),
                                            "--max-tokens", "40", "--think"],
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, encoding="utf-8", timeout=120)
+                          env=subprocess_env(HF_HUB_OFFLINE="1"), encoding="utf-8", timeout=120)
     child.expect(">>> ")
     child.sendline("/think")
     child.expect(r"\(thinking off\)")

@@ -29,6 +29,7 @@ from dflash_mlx.train import (
     new_draft_config,
     train_draft,
 )
+from tests import subprocess_env
 from tests.conftest import make_hf_target, training_setup
 from tests.test_lossless import take
 
@@ -114,7 +115,7 @@ def test_cli_trains_and_rejects_bad_input(setup, tmp_path):
     done = subprocess.run(
         base + ["--data", str(corpus), "--out", str(tmp_path / "d"), "--steps", "12", "--seq-len", "64",
                 "--anchors", "4", "--block-size", "4", "--layers", "1", "--taps", "0,2", "--save-every", "6"],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
+        capture_output=True, text=True, cwd=ROOT, timeout=300, env=subprocess_env(),
     )
     assert done.returncode == 0, done.stderr
     assert "draft written to" in done.stdout and (tmp_path / "d" / "model.safetensors").exists()
@@ -126,7 +127,7 @@ def test_cli_trains_and_rejects_bad_input(setup, tmp_path):
         (["--data", str(corpus), "--out", str(tmp_path / "g"), "--taps", "1,9"], "taps [9] are not layers of the 4-layer target"),
         (["--data", str(corpus), "--out", str(tmp_path / "h"), "--taps", "a"], "expected layer numbers"),
     ):
-        bad = subprocess.run(base + args, capture_output=True, text=True, cwd=ROOT, timeout=300)
+        bad = subprocess.run(base + args, capture_output=True, text=True, cwd=ROOT, timeout=300, env=subprocess_env())
         assert bad.returncode == 1 and message in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -241,7 +242,7 @@ def test_the_recipe_trains_and_writes_a_draft_our_loader_takes(tied, tmp_path):
          "--out", str(out), "--steps", "6", "--seq-len", "64", "--anchors", "4", "--block-size", "4", "--layers", "2",
          "--taps", "1,3", "--block-only-layers", "1", "--causal", "--init", "content-match", "--answers-only",
          "--decay-gamma", "2", "--save-every", "6"],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
+        capture_output=True, text=True, cwd=ROOT, timeout=300, env=subprocess_env(),
     )
     assert done.returncode == 0, done.stderr
     config = json.loads((out / "config.json").read_text())
@@ -254,7 +255,7 @@ def test_the_recipe_trains_and_writes_a_draft_our_loader_takes(tied, tmp_path):
     assert got == expected
     bad = subprocess.run(
         [sys.executable, "-m", "dflash_mlx.cli", "train-draft", "-m", str(target_dir), "--data", str(corpus),
-         "--out", str(tmp_path / "bad"), "--init", "clever"], capture_output=True, text=True, cwd=ROOT, timeout=300,
+         "--out", str(tmp_path / "bad"), "--init", "clever"], capture_output=True, text=True, cwd=ROOT, timeout=300, env=subprocess_env(),
     )
     assert bad.returncode == 1 and "init must be 'random' or 'content-match'" in bad.stderr and "Traceback" not in bad.stderr
 

@@ -15,6 +15,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .. import quantized
+from ..quant import parse_quant
 from ..sampling import Sampler, propose
 from .layers import MLP
 
@@ -54,7 +55,6 @@ class DraftArgs:
     mask_token_id: int
     block_size: int = 16
     target_layer_ids: Optional[List[int]] = None
-    num_target_layers: Optional[int] = None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     rope_scaling: Optional[Dict[str, Any]] = None
@@ -360,11 +360,7 @@ class DraftAttention(nn.Module):
         query = mx.arange(L)[:, None]
         key = mx.arange(n_ctx + L)[None] - n_ctx  # block-relative: context keys are negative
         visible = key >= 0 if not self.is_causal else (key >= 0) & (key <= query)
-        if self.sliding_window is not None:
-            visible = visible | ((key < 0) & (query - key < self.sliding_window))
-        else:
-            visible = visible | (key < 0)
-        return visible
+        return visible | ((key < 0) & (query - key < self.sliding_window))  # sliding: the window's context
 
 
 class DraftLayer(nn.Module):
@@ -581,28 +577,6 @@ class DFlashDraft(nn.Module):
                 continue  # some exports carry a copy of the target's; the draft uses the target's own
             out[key] = value
         return out
-
-
-def parse_quant(spec: Optional[str]) -> Optional[Tuple[int, int]]:
-    """``w4``, ``w8``, ``w4:gs32``, ``none`` -> (bits, group_size) or None."""
-    if spec is None or spec.strip().lower() in ("", "none", "bf16", "fp16"):
-        return None
-    text = spec.strip().lower()
-    bits_part, _, gs_part = text.partition(":")
-    try:
-        if not bits_part.startswith("w"):
-            raise ValueError
-        bits = int(bits_part[1:])
-        group_size = int(gs_part[2:]) if gs_part else 64
-        if gs_part and not gs_part.startswith("gs"):
-            raise ValueError
-    except ValueError:
-        raise ValueError(f"bad quantization {spec!r}: use w4, w8, w4:gs32, w8:gs128 or none") from None
-    if bits not in (2, 3, 4, 5, 6, 8):
-        raise ValueError(f"bad quantization {spec!r}: bits must be one of 2, 3, 4, 5, 6, 8")
-    if group_size not in (32, 64, 128):
-        raise ValueError(f"bad quantization {spec!r}: group size must be 32, 64 or 128")
-    return bits, group_size
 
 
 def quantize_draft(draft: DFlashDraft, spec: Optional[str]) -> Optional[Dict[str, int]]:

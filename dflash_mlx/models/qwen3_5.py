@@ -17,6 +17,7 @@ from mlx_lm.models.cache import KVCache
 
 from .. import kernels, quantized
 from ..cache import GatedDeltaCache, GatedDeltaTape
+from ..checkpoint_files import text_part
 from .layers import MLP
 
 # Gated DeltaNet output gates that are Qwen3.5's silu (``None``: the field is absent).
@@ -126,7 +127,7 @@ class ModelArgs:
     @classmethod
     def from_dict(cls, config: Dict[str, Any]) -> "ModelArgs":
         """Reads a text-only config or the ``text_config`` of a multimodal one."""
-        params = dict(config.get("text_config") or config)
+        params = dict(text_part(config))
         for key in ("tie_word_embeddings", "eos_token_id"):
             if key not in params and key in config:
                 params[key] = config[key]

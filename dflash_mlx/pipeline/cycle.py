@@ -17,7 +17,7 @@ from typing import Callable, Iterator, List, Optional, Sequence
 import mlx.core as mx
 
 from ..cache import restore, rollback, snapshot
-from ..speculative import Cancelled, Commit
+from ..records import Cancelled, Commit
 from .link import Link, PeerLost, is_transport_error
 from .stages import Stage
 

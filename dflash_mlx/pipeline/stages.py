@@ -52,6 +52,16 @@ class Stage:
             return key if self.last else None
         return key
 
+    def keep_only(self, model) -> None:
+        """Drop from a freshly built target (parameters not yet loaded) what other ranks hold."""
+        model.model.layers = model.model.layers[self.start:self.end]
+        if not self.embedding:
+            del model.model["embed_tokens"]
+        if not self.last:
+            del model.model["norm"]
+            if "lm_head" in model:
+                del model["lm_head"]
+
 
 def weight_bytes(weights: Dict[str, mx.array], num_layers: int) -> Tuple[List[int], int, int]:
     """Bytes of each decoder layer, of the embedding, and of the final norm and head (the
@@ -160,14 +170,3 @@ def agree(group, ranges: Sequence[Tuple[int, int]]) -> None:
     if total.tolist() != [x * group.size() for x in flat]:
         raise StageError(f"rank {group.rank()} split the target as {list(ranges)}, other ranks differently: "
                          "every machine needs the same checkpoint and the same --stages")
-
-
-def keep_only(model, stage: Stage) -> None:
-    """Drop from a freshly built target (parameters not yet loaded) what other ranks hold."""
-    model.model.layers = model.model.layers[stage.start:stage.end]
-    if not stage.embedding:
-        del model.model["embed_tokens"]
-    if not stage.last:
-        del model.model["norm"]
-        if "lm_head" in model:
-            del model["lm_head"]

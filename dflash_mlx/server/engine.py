@@ -29,10 +29,11 @@ from typing import Any, Callable, Dict, List, Optional, Union
 from starlette.requests import Request
 
 from ..api import DFlashModel, GenerationResponse, RunTotals, stream_generate
-from ..scheduler import BatchRequest, Scheduler
+from ..checkpoint_files import text_part
 from ..pipeline import PeerLost
 from ..prompt_cache import PromptCachePool
 from ..reasoning import START, ReasoningSplitter, opens_reasoning
+from ..scheduler import BatchRequest, Scheduler
 from .errors import APIError
 from .fields import IgnoredFields
 
@@ -46,7 +47,7 @@ def model_context_length(model: DFlashModel) -> Optional[int]:
     if model.target_path is None:
         return None
     config = read_config(model.target_path)
-    value = (config.get("text_config") or config).get("max_position_embeddings", config.get("max_position_embeddings"))
+    value = text_part(config).get("max_position_embeddings", config.get("max_position_embeddings"))
     return int(value) if value else None
 
 
@@ -68,10 +69,9 @@ def memory_context_limit(model: DFlashModel, draft_quant: Optional[str] = None, 
     if not memory_bytes:
         return None
     draft_dir = model.draft_path if model.draft is not None else None
-    quant = None if draft_quant in (None, "none") else draft_quant
 
     def fits(context: int) -> bool:
-        need = estimate_memory(Path(model.target_path), draft_dir and Path(draft_dir), quant, context, draft_dtype=dtype)
+        need = estimate_memory(Path(model.target_path), draft_dir and Path(draft_dir), draft_quant, context, draft_dtype=dtype)
         return sum(need.values()) + reserve <= memory_bytes
 
     upper = upper or 1 << 20
