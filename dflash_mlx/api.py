@@ -26,7 +26,8 @@ from .prompt_cache import PromptCache, PromptCachePool
 from .quant import parse_quant
 from .reasoning import partial_suffix
 from .sampling import Sampler
-from .speculative import Cancelled, Commit, speculative, target_only
+from .records import Cancelled, Commit
+from .speculative import speculative, target_only
 
 Prompt = Union[str, Sequence[int], Sequence[Dict[str, Any]], mx.array]
 
@@ -371,7 +372,7 @@ def stream_generate(
     checkpoint (e.g. where the next turn's prompt will start to differ).
     ``cancelled``: polled between prefill chunks; when it returns True the prefill stops there
     (the cache keeps what was fed) and nothing is yielded. ``prefill_step_size``: prompt tokens per
-    prefill chunk (default: this backend's, ``speculative.default_prefill_step``).
+    prefill chunk (default: this backend's, ``prefill.default_prefill_step``).
 
     Pipelined (``model.pipeline``): on rank 0 this sends the request to the other ranks and yields
     the answer (``logprobs`` None: they stay on the last rank); on every other rank it takes part

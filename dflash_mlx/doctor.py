@@ -119,7 +119,7 @@ def _context_rows(cache, feed: List[int], windows: List[Optional[int]], block: i
 
 def _chunks(context: int, chunk: int, decode: int = 16) -> List[int]:
     """How a run at ``context`` feeds its caches: the prompt in chunks and its last token alone (as
-    ``speculative.prefill``), then a few decode steps."""
+    ``prefill.prefill``), then a few decode steps."""
     prompt = max(context - decode, 1)
     ends = sorted({*range(chunk, prompt, chunk), prompt - 1, prompt} - {0})
     return [e - s for s, e in zip([0] + ends, ends)] + [1] * (context - prompt)
@@ -187,7 +187,7 @@ def estimate_memory(target_dir: Path, draft_dir: Optional[Path], draft_quant: Op
     from .models.dflash import ContextCache, DraftArgs, resolve_taps
     from .quant import parse_quant
     from .models.qwen3_5 import ModelArgs
-    from .speculative import default_prefill_step
+    from .prefill import default_prefill_step
 
     chunk = chunk or default_prefill_step()
     config = read_config(target_dir)

@@ -3,7 +3,7 @@ when they finish, each exactly as it would run alone through the same engine.
 
 One scheduling round: cancelled requests leave; waiting ones are admitted while the batch has
 room (in arrival order); the request being prefilled runs one chunk; every active request gets
-one cycle (``batch.BatchDecoder``), its commits turned into responses by its own ``Responder``.
+one cycle (``decoder.Decoder``), its commits turned into responses by its own ``Responder``.
 So active streams pause for at most one prefill chunk while a long prompt comes in, and a
 cancelled request frees its slot at the next round. Everything runs on the caller's thread
 (the server's worker): the prefix caches need no lock.
@@ -16,10 +16,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, Generator, List, Optional, Sequence, Union
 
-import mlx.core as mx
 
 from .api import DFlashModel, GenerationResponse, Responder, _drafting, encode_prompt
-from .batch import ROW_LIMIT, BatchDecoder, Sequence as DecodeSequence
+from .decoder import MIN_ROWS, ROW_LIMIT, Decoder, Sequence as DecodeSequence
 from .block_policy import BlockTokens, FixedBlock
 from .prompt_cache import PromptCache, PromptCachePool
 from .sampling import Sampler
@@ -73,7 +72,7 @@ class Scheduler:
             raise ValueError("a pipelined target decodes one request at a time: batching needs every layer here")
         self.model, self.tokenizer, self.max_active = model, tokenizer, max_active
         self.prompt_cache, self.prefill_step_size = prompt_cache, prefill_step_size
-        self.decoders: Dict[bool, BatchDecoder] = {}  # with the draft and without (use_draft False)
+        self.decoders: Dict[bool, Decoder] = {}  # with the draft and without (use_draft False)
         self.row_limit = row_limit
         self.waiting: Deque[BatchRequest] = deque()
         self.prefilling: Deque[BatchRequest] = deque()
@@ -107,9 +106,10 @@ class Scheduler:
         while not self.idle:
             self.step()
 
-    def _decoder(self, use_draft: bool) -> BatchDecoder:
+    def _decoder(self, use_draft: bool) -> Decoder:
         if use_draft not in self.decoders:
-            self.decoders[use_draft] = BatchDecoder(self.model.target, self.model.draft if use_draft else None, self.row_limit)
+            self.decoders[use_draft] = Decoder(self.model.target, self.model.draft if use_draft else None, self.row_limit,
+                                               min_rows=MIN_ROWS)
         return self.decoders[use_draft]
 
     def _admit(self, r: BatchRequest) -> None:
@@ -155,7 +155,7 @@ class Scheduler:
         if r._history is not None:
             r._history.fed(r._reused + fed)
 
-    def _cycle(self, decoder: BatchDecoder, batch: List[BatchRequest]) -> None:
+    def _cycle(self, decoder: Decoder, batch: List[BatchRequest]) -> None:
         try:
             commits = decoder.cycle([r._sequence for r in batch])
         except Exception as e:  # the whole batch's caches are in doubt: every request in it fails

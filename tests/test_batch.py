@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from dflash_mlx import tiny
-from dflash_mlx.api import DFlashModel, load
-from dflash_mlx.batch import MIN_ROWS, ROW_LIMIT, BatchDecoder, plan_blocks
+from dflash_mlx.api import load
+from dflash_mlx.decoder import MIN_ROWS, ROW_LIMIT, Decoder, plan_blocks
 from dflash_mlx.block_policy import AutoBlock, BlockStats, FixedBlock
 from dflash_mlx.cache import GatedDeltaCache
 from dflash_mlx.loading import load_target
@@ -60,6 +60,9 @@ class BatchOracle:
     def add_context(self, features, cache):
         cache[0].position += features.shape[1]
 
+    def propose(self, block, cache, sampler):
+        return self.propose_batch([block], [cache], [sampler])[0]
+
     def propose_batch(self, blocks, caches, samplers):
         self.passes.append(len(blocks))
         out = []
@@ -99,7 +102,7 @@ def snapshot(cache) -> list:
 def run_batch(target, draft, specs, joins, record=False):
     """Decode ``specs`` (dicts: prompt, block, schedule, max_tokens) together, spec i joining at
     cycle ``joins[i]``: each one's tokens, and (``record``) its cache after every cycle it ran."""
-    decoder = BatchDecoder(target, draft)
+    decoder = Decoder(target, draft, min_rows=MIN_ROWS)
     live, tokens, caches = {}, {i: [] for i in range(len(specs))}, {i: [] for i in range(len(specs))}
     for cycle in itertools.count():
         for i, spec in enumerate(specs):
@@ -162,7 +165,7 @@ def test_a_batch_pass_carries_different_acceptances(target, prompts, references)
     length 0..block-1 occurs for the block-8 and block-16 sequences."""
     specs = oracle_specs(prompts, references)
     oracle = BatchOracle()
-    decoder = BatchDecoder(target, oracle)
+    decoder = Decoder(target, oracle, min_rows=MIN_ROWS)
     seqs = [prefilled(decoder, s["prompt"], chooser=FixedBlock(s["block"]), draft_cache=oracle.cache_for(s["sequence"], s["schedule"] * 4),
                       max_tokens=400)[0] for s in specs]
     for s, spec in zip(seqs, specs):
@@ -255,7 +258,7 @@ def pass_seconds(rows: int, drafts: bool) -> float:
 def synthetic_batch(acceptance, cycles: int, seed: int = 0):
     """Controllers sharing one pair's statistics (as a server's requests do), each with its own
     acceptance (slot k accepted with probability ``a`` given the ones before; ``acceptance(cycle)``
-    or fixed), each told the batch cycle's time as ``BatchDecoder.cycle`` tells it. The pass length
+    or fixed), each told the batch cycle's time as ``Decoder.resolve`` tells it. The pass length
     ``T`` and the blocks of every cycle."""
     rng = np.random.default_rng(seed)
     stats = BlockStats()
@@ -481,7 +484,7 @@ def test_sampling_inside_a_batch_follows_the_target(tmp_path_factory):
     target, draft = ts.small_pair.__wrapped__(tmp_path_factory)
     sampler = ts.SAMPLERS[1]
     counts = np.zeros((ts.V, ts.V))
-    decoder = BatchDecoder(target, draft)
+    decoder = Decoder(target, draft, min_rows=MIN_ROWS)
     generator = Sampler(sampler.temperature, top_p=sampler.top_p, top_k=sampler.top_k, min_p=sampler.min_p)
     for run in range(ts.SAMPLES // 4):
         seqs, tokens = [], []

@@ -196,7 +196,7 @@ def test_a_recurrence_kernel_that_fails_its_self_check_falls_back_to_mlx_lms_ker
     dispatch per Gated DeltaNet layer per prefill chunk and never the per-token reference loop, and
     a rollback recomputes the kept steps from the saved state in one dispatch: output identical to
     the target alone on the same path, and to the CPU path's."""
-    from dflash_mlx.speculative import prefill
+    from dflash_mlx.prefill import prefill
 
     if failure == "compile error":
         sources = mutated_sources("gated_delta_tape", "auto g_ = g + b_idx", "auto g_ = gate + b_idx")

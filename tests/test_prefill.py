@@ -11,7 +11,7 @@ import pytest
 
 from dflash_mlx.cache import cache_arrays
 from dflash_mlx.models import qwen3_5
-from dflash_mlx.speculative import default_prefill_step, prefill
+from dflash_mlx.prefill import default_prefill_step, prefill
 
 
 def prompt(n: int, seed: int = 0) -> mx.array:
@@ -105,11 +105,11 @@ def test_prefill_memory_is_bounded_by_the_chunk(target, monkeypatch):
 
 def test_prefill_step_follows_the_backend(monkeypatch):
     """A GPU takes mlx-lm's 2048; the CPU the chunk measured there (docs/benchmarks.md)."""
-    from dflash_mlx import speculative
+    from dflash_mlx import prefill as chunks
 
-    assert default_prefill_step() == (speculative.PREFILL_STEP_CPU if mx.default_device() == mx.cpu
-                                      else speculative.PREFILL_STEP_GPU)
-    assert speculative.PREFILL_STEP_GPU == 2048
+    assert default_prefill_step() == (chunks.PREFILL_STEP_CPU if mx.default_device() == mx.cpu
+                                      else chunks.PREFILL_STEP_GPU)
+    assert chunks.PREFILL_STEP_GPU == 2048
 
 
 def test_a_windowed_draft_is_fed_only_the_features_it_keeps(target, draft, monkeypatch):
@@ -117,6 +117,7 @@ def test_a_windowed_draft_is_fed_only_the_features_it_keeps(target, draft, monke
     positions run without taps (the layers after the last tap are never computed for them), the
     draft's cache ends with the same last W rows as when fed every position, and the output is the
     target's."""
+    from dflash_mlx import decoder
     from dflash_mlx import speculative as loop
     from dflash_mlx.sampling import Sampler
 
@@ -128,7 +129,7 @@ def test_a_windowed_draft_is_fed_only_the_features_it_keeps(target, draft, monke
         monkeypatch.setattr(type(target), "forward", lambda self, x, c=None, taps=(), *a, **k:
                             calls.append((x.shape[1], bool(taps))) or forward(self, x, c, taps, *a, **k))
         if not skip:
-            monkeypatch.setattr(loop, "features_from", lambda *_: 0)
+            monkeypatch.setattr(decoder, "features_from", lambda *_: 0)
         first = next(loop.speculative(target, draft, tokens, Sampler(), 4, prefill_step_size=128, draft_cache=cache))
         monkeypatch.undo()
         return calls, cache, first.tokens

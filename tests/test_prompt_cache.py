@@ -236,7 +236,7 @@ def test_a_cancelled_prefill_stops_between_chunks_and_leaves_a_usable_cache(pair
 def test_an_interrupt_between_verify_and_rollback_falls_back_to_a_checkpoint(pair, monkeypatch):
     """Ctrl-C inside a cycle leaves the live caches ahead of the recorded tokens: the next request
     must not trust them, and stays lossless."""
-    import dflash_mlx.speculative as speculative_module
+    import dflash_mlx.decoder as speculative_module  # where the cycle rolls back
 
     model, tokenizer = pair
     cache, prompt = PromptCache(), ids(18, 40)

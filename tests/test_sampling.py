@@ -15,6 +15,7 @@ import pytest
 from scipy.stats import chisquare
 
 from dflash_mlx import sampling
+from dflash_mlx import decoder
 from dflash_mlx import speculative as loop
 from dflash_mlx.loading import load_target
 from dflash_mlx.sampling import Sampler, make_sampler
@@ -173,7 +174,7 @@ def biased_accept(target_logits, drafted, draft_probs, sampler):
 def test_negative_control_biased_rule_is_detected(small_pair, monkeypatch):
     target, draft = small_pair
     sampler = SAMPLERS[0]
-    monkeypatch.setattr(loop, "accept", biased_accept)
+    monkeypatch.setattr(decoder, "accept", biased_accept)
     # Half the samples: p = 3e-17 and 4e-7 for seeds 0 and 3 (before the last cycles were capped at
     # what max_tokens leaves: 3e-7, 1e-10 and 9e-15 for seeds 0, 3 and 5; at a quarter: 2e-4 for seed 5).
     pvalue = goodness_of_fit(sampled_joint(target, draft, sampler, seed=0, samples=SAMPLES // 2), exact_joint(target, sampler))
@@ -196,18 +197,18 @@ def test_the_all_accepted_bonus_draw_follows_the_target(small_pair, monkeypatch)
     target, draft = small_pair
     sampler = SAMPLERS[1]
     accepted = []
-    real_accept = loop.accept
+    real_accept = decoder.accept
 
     def counting(*args):
         n, token = real_accept(*args)
         accepted.append(n)
         return n, token
 
-    monkeypatch.setattr(loop, "accept", counting)
+    monkeypatch.setattr(decoder, "accept", counting)
     pvalue = goodness_of_fit(sampled_joint(target, draft, sampler, seed=3, blocks=lambda: 2), exact_joint(target, sampler))
     assert pvalue > 1e-3, f"speculative samples with the bonus draw do not follow the target (p={pvalue:.2g})"
     assert sum(int(n.item()) for n in accepted) > 0.2 * SAMPLES, "the bonus path was rarely taken: the test would not see it"
-    monkeypatch.setattr(loop, "accept", wrong_bonus_accept)
+    monkeypatch.setattr(decoder, "accept", wrong_bonus_accept)
     try:  # caught either way: a token the filters exclude at that position, or the wrong distribution
         # (a quarter of the samples: excluded tokens came up for seeds 0, 3 and 5 alike)
         counts = sampled_joint(target, draft, sampler, seed=3, blocks=lambda: 2, samples=SAMPLES // 4)

@@ -9,13 +9,13 @@ and ``kernel_projection.weight [2*K*H/G, H]``; ``candidate_selector.hidden_proje
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..sampling import Sampler
-from .dflash import ContextCache, DFlashDraft, DraftArgs, DraftLayer
+from .dflash import DFlashDraft, DraftArgs, DraftLayer
 
 CODEBOOKS = ("predecessor_codebook", "successor_codebook")
 

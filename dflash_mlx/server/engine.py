@@ -473,25 +473,13 @@ class Engine:
             job.emit("token", response)
 
     def _done(self, job: Job, request: BatchRequest) -> None:
-        last = job.last
         if request.error is not None:
             e = request.error
             LOG.error("generation failed: %s: %s", type(e).__name__, e, exc_info=e)
-            self.metrics.count("errors")
-            job.error = f"{type(e).__name__}: {e}"
-            job.emit("error", (500, job.error))
-        elif job.cancelled.is_set():
-            self.metrics.count("cancelled")
-            self.metrics.count("cancelled_tokens", last.generation_tokens if last is not None else 0)
-            if job.cancel_reason is not None:
-                job.emit("error", (503, job.cancel_reason))
-        elif last is not None:
-            self.metrics.add(last)
-        self.metrics.prompt_cache_bytes = self.prompt_caches.nbytes
-        self.metrics.prompt_cache_histories = len(self.prompt_caches.histories)
-        self.metrics.count("queued", -1)
-        self.jobs.discard(job)
-        job.emit("done", last)
+            self._failed(job, f"{type(e).__name__}: {e}")
+        else:
+            self._ended(job, job.last)
+        self._release(job, job.last)
 
     def _run(self, job: Job) -> None:
         last = None
@@ -508,29 +496,38 @@ class Engine:
                         stream.close()
                         break
                     job.emit("token", last)
-            if job.cancelled.is_set():
-                self.metrics.count("cancelled")
-                self.metrics.count("cancelled_tokens", last.generation_tokens if last is not None else 0)
-                if job.cancel_reason is not None:
-                    job.emit("error", (503, job.cancel_reason))
-            elif last is not None:
-                self.metrics.add(last)
+            self._ended(job, last)
         except PeerLost as e:  # a pipelined target lost a rank: nothing more can be served
-            self.metrics.count("errors")
-            job.error = str(e)
-            job.emit("error", (500, str(e)))
+            self._failed(job, str(e))
             _stop_process(str(e))
         except Exception as e:  # reported to the client as a 500, logged in full here
             LOG.exception("generation failed")
-            self.metrics.count("errors")
-            job.error = f"{type(e).__name__}: {e}"
-            job.emit("error", (500, job.error))
+            self._failed(job, f"{type(e).__name__}: {e}")
         finally:
-            self.metrics.prompt_cache_bytes = self.prompt_caches.nbytes
-            self.metrics.prompt_cache_histories = len(self.prompt_caches.histories)
-            self.metrics.count("queued", -1)
-            self.jobs.discard(job)
-            job.emit("done", last)
+            self._release(job, last)
+
+    def _ended(self, job: Job, last: Optional[GenerationResponse]) -> None:
+        """A generation that finished or was cancelled: counted; a client the server cancelled is told why."""
+        if job.cancelled.is_set():
+            self.metrics.count("cancelled")
+            self.metrics.count("cancelled_tokens", last.generation_tokens if last is not None else 0)
+            if job.cancel_reason is not None:
+                job.emit("error", (503, job.cancel_reason))
+        elif last is not None:
+            self.metrics.add(last)
+
+    def _failed(self, job: Job, message: str) -> None:
+        self.metrics.count("errors")
+        job.error = message
+        job.emit("error", (500, message))
+
+    def _release(self, job: Job, last: Optional[GenerationResponse]) -> None:
+        """The job is over: the prefix cache's size measured, its place in the queue freed, its stream ended."""
+        self.metrics.prompt_cache_bytes = self.prompt_caches.nbytes
+        self.metrics.prompt_cache_histories = len(self.prompt_caches.histories)
+        self.metrics.count("queued", -1)
+        self.jobs.discard(job)
+        job.emit("done", last)
 
 
 def late_system_as_user(messages: List[Dict[str, Any]]) -> Optional[List[Dict[str, Any]]]:

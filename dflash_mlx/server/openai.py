@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..api import GenerationResponse, encode_prompt
-from .engine import ContextFull, Engine, Job, collect, current_engine, job_events, note
+from .engine import ContextFull, Engine, Job, collect, current_engine, job_events
 from .fields import IgnoredFields
 from .errors import APIError, error_body
 from ..reasoning import ReasoningSplitter, thinking_switch

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .engine import ContextFull, Engine, Job, collect, current_engine, job_events, note
+from .engine import ContextFull, Engine, Job, collect, current_engine, job_events
 from .fields import IgnoredFields, ignored_tools_header
 from .errors import APIError
 from ..reasoning import thinking_switch

@@ -1,0 +1,268 @@
+"""The decode cycle, for one sequence or several: draft every drafting sequence's block in one pass,
+verify all their rows in one target pass, then each sequence accepts, rolls back and stops on its own.
+
+``Decoder.dispatch`` queues a cycle (nothing read back), ``resolve`` reads it back once and commits,
+``undo`` puts the caches back where the cycle found them. The single-stream loop
+(``speculative.speculative``) dispatches the next cycle before yielding the last one's tokens; the
+scheduler (``scheduler.Scheduler``) runs ``cycle`` (dispatch, then resolve) over its batch.
+
+A sequence's result never depends on the rest of the batch (docs/design.md, "Batched decoding"):
+what mixes rows runs per sequence on its own rows and caches (attention, the Gated DeltaNet
+recurrence and convolution, the draft's block attention); what runs on the whole batch works row
+by row (matmuls, norms, activations, RoPE, the MoE router).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Container, Generator, List, Optional, Sequence as Seq, Tuple
+
+import mlx.core as mx
+
+from .block_policy import BlockChooser, FixedBlock
+from .cache import batch_view, cache_arrays, restore, rollback, snapshot
+from .models.dflash import DFlashDraft
+from .models.qwen3_5 import Model as Target
+from .prefill import features_from, prefill_chunks
+from .records import Budget, Commit, logprobs
+from .sampling import Sampler, accept
+
+GREEDY = Sampler()  # shadows grade drafts by greedy tokens
+
+# Rows a target pass may take (sequences x block): past it the blocks are cut down (``plan_blocks``).
+# On a Mac a pass costs about one read of the weights until the rows reach the GPU's arithmetic
+# roof; 64 rows keep four sequences at block 16, or eight at block 8.
+ROW_LIMIT = 64
+# Rows the batched engine feeds each sequence at least. MLX multiplies one row by another kernel than
+# several (a matrix-vector product; on the CPU its sums round differently, measured), so a plain
+# step fed alone would not give the bits the same step gives beside a batch-mate. Two rows at least
+# make every pass the same kind of product, whatever the batch: a sequence's numbers then never
+# depend on who else is in it. (The second row is padding, rolled back.) The single-stream loop
+# feeds one row, as the target alone does.
+MIN_ROWS = 2
+
+
+def plan_blocks(wanted: Seq[int], row_limit: int = ROW_LIMIT) -> Tuple[int, List[int]]:
+    """The pass's rows per sequence ``T`` and each sequence's block, from the blocks each one's own
+    controller wants: ``T`` is the largest wanted, cut to ``row_limit // len(wanted)`` (at least 1)
+    when the batch would pass ``row_limit`` rows; a block never exceeds ``T``. A sequence that wants
+    1 runs a plain step: its one row rides with its batch-mates' blocks (padded to ``T``), and it
+    costs the draft nothing."""
+    if not wanted:
+        raise ValueError("no sequence to plan")
+    top = max(1, row_limit // len(wanted))
+    blocks = [max(1, min(b, top)) for b in wanted]
+    return max(blocks), blocks
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sequence's decoding state between cycles: its caches, sampler, controller and budget,
+    and the token the next cycle feeds (the last one committed)."""
+
+    cache: list
+    draft_cache: Optional[list]
+    sampler: Sampler
+    chooser: BlockChooser
+    budget: Budget
+    token: mx.array  # [1]: the next cycle's first input
+    pending: List[mx.array] = field(default_factory=list)  # plain steps' features, not yet in the draft
+    done: bool = False  # its budget is spent or a stop token came: it leaves
+
+    @property
+    def context(self) -> int:
+        return self.cache[0].offset
+
+
+@dataclass(eq=False)
+class Step:
+    """What one cycle dispatched for one sequence (nothing read back yet)."""
+
+    block: int  # rows of it that count (1: a plain step)
+    ahead: int = 0  # a shadow's draft tokens beside a plain step
+    drafted: Optional[mx.array] = None
+    draft_probs: Optional[mx.array] = None
+    shadow: Optional[mx.array] = None
+    handed_off: int = 0  # plain steps whose features reached the draft with this cycle
+    accepted: Optional[mx.array] = None
+    next_token: Optional[mx.array] = None
+    undo: Optional[list] = None  # the target cache's snapshot from before the cycle
+
+
+@dataclass(eq=False)
+class Pass:
+    """A dispatched cycle: its sequences, their steps, the rows fed to each and the target's output."""
+
+    batch: List[Sequence]
+    steps: List[Step]
+    rows: int
+    logits: mx.array  # [B, rows, V]
+    features: Optional[mx.array]  # [B, rows, taps x H]
+    started: float
+    read_at: float = 0.0  # when it was read back
+
+
+class Decoder:
+    """The cycle over sequences of one target and draft (``draft`` None: plain steps).
+    ``min_rows``: rows fed to each sequence at least (``MIN_ROWS`` for a batch whose sequences must
+    not depend on each other; 1 for the single-stream loop)."""
+
+    def __init__(self, target: Target, draft: Optional[DFlashDraft], row_limit: int = ROW_LIMIT, min_rows: int = 1):
+        self.target, self.draft, self.row_limit, self.min_rows = target, draft, row_limit, min_rows
+        self.taps = draft.target_layer_ids if draft is not None else ()
+        self.rows = 0  # rows of the last target pass (sequences x rows each), for /metrics
+
+    def start(self, prompt: mx.array, sampler: Sampler, chooser: Optional[BlockChooser] = None,
+              cache=None, draft_cache=None, draft_window: Optional[int] = None, max_tokens: Optional[int] = None,
+              stop_tokens: Container[int] = (), prefill_step_size: Optional[int] = None, split_at: Seq[int] = ()
+              ) -> Generator[int, None, Tuple[Sequence, Commit]]:
+        """Prefill a new sequence one chunk per ``next`` (yielding the prompt tokens fed so far);
+        returns the sequence, ready for its first cycle, and its first commit (the token after the
+        prompt)."""
+        draft, target = self.draft, self.target
+        cache = target.make_cache() if cache is None else cache
+        chooser = chooser if chooser is not None else FixedBlock(draft.block_size if draft is not None else 1)
+        on_features = on_skipped = None
+        first_kept = 0
+        if draft is not None:
+            draft_cache = draft.make_cache(draft_window) if draft_cache is None else draft_cache
+            first_kept = features_from(draft_cache, prompt.size)
+            for c in draft_cache:  # room for the prompt's features (and a first block) in one growth
+                if hasattr(c, "reserve"):
+                    c.reserve(prompt.size - first_kept + draft.block_size)
+
+            def on_features(features):
+                draft.add_context(features, draft_cache)
+                return cache_arrays(draft_cache)
+
+            def on_skipped(count):
+                for c in draft_cache:
+                    c.advance(count)
+
+        logits = yield from prefill_chunks(target, prompt, cache, prefill_step_size, self.taps, on_features, split_at,
+                                           first_kept, on_skipped)
+        token = sampler(logits).reshape(1)
+        seq = Sequence(cache, draft_cache, sampler, chooser, Budget(max_tokens, stop_tokens), token)
+        commit = Commit([token.item()], logprobs(logits)[None])
+        seq.done = seq.budget.spent(commit)
+        return seq, commit
+
+    def cycle(self, batch: Seq[Sequence]) -> List[Commit]:
+        """One cycle for every sequence of ``batch`` (none done), read back: each one's commit."""
+        return self.resolve(self.dispatch(batch))
+
+    def dispatch(self, batch: Seq[Sequence], undoable: bool = False) -> Pass:
+        """Plan, draft and verify, queued: nothing is read back. ``undoable``: keep what ``undo``
+        needs."""
+        started = time.perf_counter()
+        steps = self._plan(batch)
+        rows = max(max(s.block for s in steps), self.min_rows)
+        drafting = [(seq, step) for seq, step in zip(batch, steps) if step.block > 1 or step.ahead]
+        if drafting:
+            self._draft(drafting)
+        fed = []
+        for seq, step in zip(batch, steps):
+            tokens = seq.token if step.block == 1 else mx.concatenate([seq.token, step.drafted.astype(seq.token.dtype)])
+            fed.append(tokens if tokens.size == rows else mx.concatenate([tokens, mx.repeat(tokens[-1:], rows - tokens.size)]))
+            step.undo = snapshot(seq.cache) if undoable else None
+        self.rows = len(batch) * rows
+        cache = batch[0].cache if len(batch) == 1 else batch_view([seq.cache for seq in batch])
+        logits, features = self.target.forward(mx.stack(fed), cache, self.taps, record_tape=rows > 1)
+        for i, (seq, step) in enumerate(zip(batch, steps)):
+            if step.block == 1:
+                step.accepted, step.next_token = None, seq.sampler(logits[i, 0])
+            else:
+                step.accepted, step.next_token = accept(logits[i, : step.block], step.drafted, step.draft_probs, seq.sampler)
+        mx.async_eval(_arrays(a for s in steps for a in (s.accepted, s.next_token, s.drafted, s.shadow)))
+        return Pass(list(batch), steps, rows, logits, features, started)
+
+    def resolve(self, p: Pass, since: Optional[float] = None) -> List[Commit]:
+        """Read the cycle back (its one host synchronisation), roll each sequence back to what it
+        committed, feed its draft, tell its controller. ``since``: when the cycle's time starts (the
+        single-stream loop counts from the previous read-back; default: the dispatch)."""
+        mx.eval(_arrays(a for s in p.steps for a in (s.accepted, s.next_token, s.drafted, s.shadow)))
+        # Each sequence's controller is told the whole cycle's time: what its stream waited for its
+        # tokens. A block within the pass's length costs it only draft rows; one that lengthens the
+        # pass costs it (and its batch-mates) the longer pass (docs/design.md, "Batched decoding").
+        p.read_at = time.perf_counter()
+        seconds = p.read_at - (p.started if since is None else since)
+        return [self._commit(i, seq, step, p, seconds) for i, (seq, step) in enumerate(zip(p.batch, p.steps))]
+
+    def undo(self, p: Pass) -> None:
+        """Put every sequence's target cache back where the cycle found it (dispatched ``undoable``);
+        the plain steps' features it had not handed off reach the draft, as at ``finish``."""
+        for seq, step in zip(p.batch, p.steps):
+            restore(seq.cache, step.undo)
+            self.finish(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """A sequence leaving: its plain steps' features reach the draft, so that its draft cache is
+        level with its target cache (what a prompt cache keeps)."""
+        if seq.pending and self.draft is not None:
+            self.draft.add_context(mx.concatenate(seq.pending, axis=1), seq.draft_cache)
+            seq.pending.clear()
+
+    def _plan(self, batch: Seq[Sequence]) -> List[Step]:
+        """Each sequence's block (its controller's choice within its budget, then ``plan_blocks``)
+        and shadow. A cycle commits at most its block: with ``left`` tokens to go, drafting more
+        verifies rows for nothing. The controller is told the size that ran."""
+        wanted = []
+        for seq in batch:
+            block = seq.chooser.choose() if self.draft is not None else 1
+            wanted.append(block if seq.budget.left is None else min(block, seq.budget.left))
+        _, blocks = plan_blocks(wanted, self.row_limit)
+        steps = []
+        for seq, block in zip(batch, blocks):
+            ahead = seq.chooser.shadow_tokens() if block == 1 and self.draft is not None else 0
+            left = seq.budget.left  # a shadow is graded by the tokens after it
+            steps.append(Step(block, ahead if left is None else max(0, min(ahead, left - 1))))
+        return steps
+
+    def _draft(self, drafting: Seq[Tuple[Sequence, Step]]) -> None:
+        """One draft pass for every drafting sequence's block (and every shadow); the plain steps'
+        features reach the draft first."""
+        draft = self.draft
+        for seq, step in drafting:
+            step.handed_off = len(seq.pending)
+            self.finish(seq)
+        blocks = [mx.concatenate([seq.token, mx.full((max(step.block, step.ahead + 1) - 1,), draft.mask_token_id,
+                                                    seq.token.dtype)]) for seq, step in drafting]
+        samplers = [seq.sampler if step.block > 1 else GREEDY for seq, step in drafting]
+        if len(drafting) == 1:
+            proposals = [draft.propose(blocks[0], drafting[0][0].draft_cache, samplers[0])]
+        else:
+            proposals = draft.propose_batch(blocks, [seq.draft_cache for seq, _ in drafting], samplers)
+        for (seq, step), (tokens, probs) in zip(drafting, proposals):
+            if step.block > 1:
+                step.drafted, step.draft_probs = tokens, probs
+            else:
+                step.shadow = tokens
+        # The draft runs while Python builds the verify graph.
+        mx.async_eval(_arrays(a for _, step in drafting for a in (step.drafted, step.draft_probs, step.shadow)))
+
+    def _commit(self, i: int, seq: Sequence, step: Step, p: Pass, seconds: float) -> Commit:
+        accepted = 0 if step.accepted is None else step.accepted.item()
+        next_token = step.next_token.item()
+        kept = accepted + 1
+        if p.rows > 1:
+            rollback(seq.cache, fed=p.rows, keep=kept)
+        features = p.features[i : i + 1, :kept] if self.taps else None
+        if step.block == 1:
+            if self.draft is not None:
+                seq.pending.append(features)
+            commit = Commit([next_token], logprobs(p.logits[i, :1]))
+        else:
+            self.draft.add_context(features, seq.draft_cache)
+            commit = Commit(step.drafted.tolist()[:accepted] + [next_token], logprobs(p.logits[i, :kept]),
+                            drafted=step.block - 1, accepted=accepted)
+        seq.chooser.observe(block=step.block, accepted=accepted, seconds=seconds, committed=commit.tokens,
+                            proposals=step.shadow.tolist() if step.shadow is not None else [],
+                            handed_off=step.handed_off, context=seq.context)
+        seq.token = step.next_token.reshape(1)
+        seq.done = seq.budget.spent(commit)
+        return commit
+
+
+def _arrays(values) -> List[mx.array]:
+    return [v for v in values if v is not None]
