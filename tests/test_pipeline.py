@@ -58,7 +58,8 @@ def _niced() -> None:
 def launch(tmp_path: Path, ranks: int, argv: list, **popen) -> list:
     """``ranks`` processes of ``argv``, each given its rank as mlx.launch gives it."""
     hosts = hostfile(tmp_path, ranks)
-    return [subprocess.Popen(argv, env=subprocess_env(MLX_RANK=str(r), MLX_HOSTFILE=str(hosts)),
+    # Torch stays visible to the ranks: the emulated-Metal workers' fixtures reach it.
+    return [subprocess.Popen(argv, env={**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hosts)},
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_niced, **popen)
             for r in range(ranks)]
 
