@@ -414,7 +414,12 @@ def stream_generate(
     cache = draft_cache = None
     reused, split_at = 0, []
     if history is not None:
-        reused = history.prepare(model.target, draft, ids.tolist(), model.draft_window, checkpoint_at)
+        try:
+            reused = history.prepare(model.target, draft, ids.tolist(), model.draft_window, checkpoint_at)
+        except BaseException:
+            if isinstance(prompt_cache, PromptCachePool):
+                prompt_cache.release(history)  # else it would stay busy, never reused nor evicted
+            raise
         cache, draft_cache = history.cache, history.draft_cache
         split_at = [p - reused for p in history.split_points()]
 

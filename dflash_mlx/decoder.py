@@ -89,6 +89,11 @@ class Step:
     next_token: Optional[mx.array] = None
     undo: Optional[list] = None  # the target cache's snapshot from before the cycle
 
+    @property
+    def outputs(self) -> List[mx.array]:
+        """What the cycle reads back for this sequence."""
+        return [a for a in (self.accepted, self.next_token, self.drafted, self.shadow) if a is not None]
+
 
 @dataclass(eq=False)
 class Pass:
@@ -174,14 +179,14 @@ class Decoder:
                 step.accepted, step.next_token = None, seq.sampler(logits[i, 0])
             else:
                 step.accepted, step.next_token = accept(logits[i, : step.block], step.drafted, step.draft_probs, seq.sampler)
-        mx.async_eval(_arrays(a for s in steps for a in (s.accepted, s.next_token, s.drafted, s.shadow)))
+        mx.async_eval([s.outputs for s in steps])
         return Pass(list(batch), steps, rows, logits, features, started)
 
     def resolve(self, p: Pass, since: Optional[float] = None) -> List[Commit]:
         """Read the cycle back (its one host synchronisation), roll each sequence back to what it
         committed, feed its draft, tell its controller. ``since``: when the cycle's time starts (the
         single-stream loop counts from the previous read-back; default: the dispatch)."""
-        mx.eval(_arrays(a for s in p.steps for a in (s.accepted, s.next_token, s.drafted, s.shadow)))
+        mx.eval([s.outputs for s in p.steps])
         # Each sequence's controller is told the whole cycle's time: what its stream waited for its
         # tokens. A block within the pass's length costs it only draft rows; one that lengthens the
         # pass costs it (and its batch-mates) the longer pass (docs/design.md, "Batched decoding").
@@ -239,7 +244,7 @@ class Decoder:
             else:
                 step.shadow = tokens
         # The draft runs while Python builds the verify graph.
-        mx.async_eval(_arrays(a for _, step in drafting for a in (step.drafted, step.draft_probs, step.shadow)))
+        mx.async_eval([a for _, step in drafting for a in (step.drafted, step.draft_probs, step.shadow) if a is not None])
 
     def _commit(self, i: int, seq: Sequence, step: Step, p: Pass, seconds: float) -> Commit:
         accepted = 0 if step.accepted is None else step.accepted.item()
@@ -262,7 +267,3 @@ class Decoder:
         seq.token = step.next_token.reshape(1)
         seq.done = seq.budget.spent(commit)
         return commit
-
-
-def _arrays(values) -> List[mx.array]:
-    return [v for v in values if v is not None]

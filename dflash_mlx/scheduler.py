@@ -101,6 +101,12 @@ class Scheduler:
             if batch:
                 self._cycle(self._decoder(use_draft), batch)
 
+    def fail_all(self, error: BaseException) -> None:
+        """Every request leaves with ``error`` (a failure outside any one request)."""
+        for r in [*self.waiting, *self.prefilling, *self.active]:
+            r.error = r.error or error
+            self._leave(r)
+
     def run(self) -> None:
         """Rounds until every submitted request has left."""
         while not self.idle:

@@ -451,9 +451,7 @@ class Engine:
                 scheduler.step()
             except Exception:  # a bug outside any one request: fail them all rather than stop serving
                 LOG.exception("the scheduler failed")
-                for r in [*scheduler.waiting, *scheduler.prefilling, *scheduler.active]:
-                    r.error = r.error or RuntimeError("the scheduler failed")
-                    scheduler._leave(r)
+                scheduler.fail_all(RuntimeError("the scheduler failed"))
             self.metrics.set(active=len(scheduler.active) + len(scheduler.prefilling), rows=scheduler.rows,
                              waiting=len(scheduler.waiting))
 
