@@ -34,13 +34,17 @@ GREEDY = Sampler()  # shadows grade drafts by greedy tokens
 # On a Mac a pass costs about one read of the weights until the rows reach the GPU's arithmetic
 # roof; 64 rows keep four sequences at block 16, or eight at block 8.
 ROW_LIMIT = 64
-# Rows the batched engine feeds each sequence at least. MLX multiplies one row by another kernel than
-# several (a matrix-vector product; on the CPU its sums round differently, measured), so a plain
-# step fed alone would not give the bits the same step gives beside a batch-mate. Two rows at least
-# make every pass the same kind of product, whatever the batch: a sequence's numbers then never
-# depend on who else is in it. (The second row is padding, rolled back.) The single-stream loop
-# feeds one row, as the target alone does.
-MIN_ROWS = 2
+
+
+def batch_min_rows() -> int:
+    """Rows the batched engine feeds each sequence at least, on this process's device, so that a
+    sequence's numbers never depend on its batch-mates. On a GPU, MLX multiplies a single row with
+    a matrix-vector kernel whose sums round apart from its matrix kernel's, and picks its attention
+    kernel by query count: a plain step alone would not give the bits the same step gives beside a
+    batch-mate, so every sequence gets two rows at least (the second is padding, rolled back). On
+    the CPU, MLX's products are row-independent at any row count (one row included), and so is the
+    recurrence (the same chunked algebra at T = 1, ``kernels._chunk_one``): one row."""
+    return 2 if mx.default_device() == mx.gpu else 1
 
 
 def plan_blocks(wanted: Seq[int], row_limit: int = ROW_LIMIT) -> Tuple[int, List[int]]:
@@ -110,8 +114,8 @@ class Pass:
 
 class Decoder:
     """The cycle over sequences of one target and draft (``draft`` None: plain steps).
-    ``min_rows``: rows fed to each sequence at least (``MIN_ROWS`` for a batch whose sequences must
-    not depend on each other; 1 for the single-stream loop)."""
+    ``min_rows``: rows fed to each sequence at least (``batch_min_rows()`` for a batch whose
+    sequences must not depend on each other; 1 for the single-stream loop)."""
 
     def __init__(self, target: Target, draft: Optional[DFlashDraft], row_limit: int = ROW_LIMIT, min_rows: int = 1):
         self.target, self.draft, self.row_limit, self.min_rows = target, draft, row_limit, min_rows

@@ -473,7 +473,7 @@ class Recurrence:
             out = self.metal.gated_delta(q, k, v, g, beta, state)
             if out is not None:
                 return out
-        if (self.chunked or mode == "metal") and k.shape[1] > 1:  # never a per-token loop on a GPU
+        if self.chunked or (mode == "metal" and k.shape[1] > 1):  # never a per-token loop on a GPU
             return gated_delta_chunked(q, k, v, g, beta, state)
         return gated_delta_reference(q, k, v, g, beta, state)
 
@@ -488,7 +488,7 @@ class Recurrence:
                 return out
             return gated_delta_reference(delta.q[:, :steps], k[:, :steps], delta.v[:, :steps], g[:, :steps],
                                          delta.beta[:, :steps], state)[1]
-        chunked = self.chunked and steps > 1
+        chunked = self.chunked  # the algebra the forward pass used, one step too
         if self.mode(k.shape[-1], k.shape[-2], delta.shape[-1], delta.shape[-2]) == "metal":
             out = self.metal.tape_replay(state, k, g, delta, steps)
             if out is not None:
@@ -592,6 +592,22 @@ def _chunk_step(q, k, v, g, beta, state):
 
 
 @mx.compile
+def _chunk_one(q, k, v, g, beta, state):
+    """``_chunk_step`` for one token, without what is exact at T = 1 (a 1x1 triangular solve, the
+    causal decay, which is exp(0) = 1): the same bits, at about the cost of ``_step``. A decode step
+    and row 0 of a verify block then run one algorithm, so a token's numbers do not depend on how
+    many rows its pass carried (``_step`` takes the decay as ``g``, this as ``exp(log g)``)."""
+    q, k = _expand_heads(q, v.shape[-2]), _expand_heads(k, v.shape[-2])
+    Q, K, V = _head_major(q), _head_major(k), _head_major(v)
+    lg, b = _log_decay(g), _head_major(beta[..., None])[..., 0]
+    start = mx.exp(lg)[..., None]
+    state_t = state.swapaxes(-1, -2)
+    delta = b[..., None] * (V - start * (K @ state_t))
+    y = start * (Q @ state_t) + (Q @ K.swapaxes(-1, -2)) @ delta
+    return y.swapaxes(1, 2), _state_after(state, K, lg, delta), delta.swapaxes(1, 2)
+
+
+@mx.compile
 def _replay_chunk(k, g, delta, state):
     k = _expand_heads(k, delta.shape[-2])
     return _state_after(state, _head_major(k), _log_decay(g), _head_major(delta))
@@ -599,8 +615,8 @@ def _replay_chunk(k, g, delta, state):
 
 def gated_delta_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     """Chunked recurrence: returns ``(y, final_state, delta_tape)`` like the reference."""
-    if q.shape[1] <= chunk:  # a verify block: no slicing (each slice is one more dispatched op)
-        y, state, delta = _chunk_step(q, k, v, g, beta, state)
+    if q.shape[1] <= chunk:  # a decode step or a verify block: no slicing (each slice is one more op)
+        y, state, delta = (_chunk_one if q.shape[1] == 1 else _chunk_step)(q, k, v, g, beta, state)
         return y.astype(q.dtype), state, delta
     ys, deltas = [], []
     for s in range(0, q.shape[1], chunk):

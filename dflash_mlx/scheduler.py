@@ -18,7 +18,7 @@ from typing import Any, Callable, Deque, Dict, Generator, List, Optional, Sequen
 
 
 from .api import DFlashModel, GenerationResponse, Responder, _drafting, encode_prompt
-from .decoder import MIN_ROWS, ROW_LIMIT, Decoder, Sequence as DecodeSequence
+from .decoder import ROW_LIMIT, Decoder, batch_min_rows, Sequence as DecodeSequence
 from .block_policy import BlockTokens, FixedBlock
 from .prompt_cache import PromptCache, PromptCachePool
 from .sampling import Sampler
@@ -115,7 +115,7 @@ class Scheduler:
     def _decoder(self, use_draft: bool) -> Decoder:
         if use_draft not in self.decoders:
             self.decoders[use_draft] = Decoder(self.model.target, self.model.draft if use_draft else None, self.row_limit,
-                                               min_rows=MIN_ROWS)
+                                               min_rows=batch_min_rows())
         return self.decoders[use_draft]
 
     def _admit(self, r: BatchRequest) -> None:

@@ -7,8 +7,10 @@ Starts the server twice per repeat (--max-concurrent 4, then 1, alternating), se
 `edit` prompts (in turn) all at once, greedy, and reports the wall time until the last answer, the
 speedup of 4 over 1, and whether every answer equals the one its prompt gets alone (sent first,
 by itself, to the same server). With --long-prompt N it then measures how long an active stream
-stalls while an N-token prompt arrives: the largest gap between its tokens (the prompt is
-prefilled one chunk per cycle of the batch), beside the same stream's largest gap alone.
+stalls while an N-word prompt arrives (sent at the stream's first token; the stream asks for 4x
+--max-tokens so that it outlives some of the prefill): the largest gap between its tokens (the
+prompt is prefilled one chunk per round of the batch), beside the same stream's largest gap next
+to a short prompt.
 """
 
 import argparse
@@ -16,9 +18,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Optional, Tuple
 
 import httpx
 from openai import OpenAI
@@ -49,8 +53,8 @@ def start(model: str, concurrent: int):
     raise RuntimeError(Path(log.name).read_text())
 
 
-def ask(url: str, prompt: str, max_tokens: int):
-    """The answer's text and the arrival time of each of its chunks."""
+def ask(url: str, prompt: str, max_tokens: int, first: Optional[threading.Event] = None):
+    """The answer's text and the arrival time of each of its chunks (``first`` is set at the first)."""
     client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=3600)
     stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": prompt}],
                                             max_tokens=max_tokens, temperature=0, stream=True)
@@ -59,6 +63,8 @@ def ask(url: str, prompt: str, max_tokens: int):
         if chunk.choices and chunk.choices[0].delta.content:
             text += chunk.choices[0].delta.content
             times.append(time.perf_counter())
+            if first is not None:
+                first.set()
     return text, times
 
 
@@ -69,14 +75,20 @@ def at_once(url: str, prompts, max_tokens: int):
     return time.perf_counter() - tic, answers
 
 
-def stall(url: str, prompt: str, long_prompt: str, max_tokens: int) -> float:
-    """The largest gap (s) between a stream's tokens while ``long_prompt`` comes in."""
+def stall(url: str, prompt: str, long_prompt: str, max_tokens: int) -> Tuple[float, float, float]:
+    """The largest gap (s) between a stream's tokens while ``long_prompt`` comes in (sent at the
+    stream's first token), the stream's duration and the long prompt's time to its answer: the
+    gap speaks for the prefill only where the long prompt's answer came after the stream began."""
+    started = threading.Event()
     with ThreadPoolExecutor(2) as pool:
-        stream = pool.submit(ask, url, prompt, max_tokens)
-        time.sleep(1.0)
-        pool.submit(ask, url, long_prompt, 4)
+        stream = pool.submit(ask, url, prompt, max_tokens, started)
+        started.wait()
+        sent = time.perf_counter()
+        long_answer = pool.submit(ask, url, long_prompt, 4)
         _, times = stream.result()
-    return max(b - a for a, b in zip(times, times[1:]))
+        long_times = long_answer.result()[1]
+    answered = (long_times[0] if long_times else time.perf_counter()) - sent
+    return max(b - a for a, b in zip(times, times[1:])), times[-1] - times[0], answered
 
 
 def main():
@@ -102,10 +114,11 @@ def main():
                       f"each answer as alone: {'yes' if same else 'NO'}", flush=True)
                 if args.long_prompt and concurrent == 4 and repeat == 0:
                     long_prompt = " ".join(f"x{i % 97} = f(x{(i * 7) % 97})" for i in range(args.long_prompt // 4))
-                    alone_gap = stall(url, prompts[0], "hi", args.max_tokens)
-                    gap = stall(url, prompts[0], long_prompt, args.max_tokens)
+                    alone_gap, _, _ = stall(url, prompts[0], "hi", 4 * args.max_tokens)
+                    gap, lasted, answered = stall(url, prompts[0], long_prompt, 4 * args.max_tokens)
                     print(f"largest gap between a stream's tokens: {gap * 1000:.0f} ms while a {args.long_prompt}-word "
-                          f"prompt came in, {alone_gap * 1000:.0f} ms beside a short one", flush=True)
+                          f"prompt came in (the stream lasted {lasted:.2f} s, the long prompt's first token came "
+                          f"{answered:.2f} s after it was sent), {alone_gap * 1000:.0f} ms beside a short one", flush=True)
             finally:
                 process.terminate()
                 process.wait(30)

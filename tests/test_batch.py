@@ -17,7 +17,7 @@ import pytest
 
 from dflash_mlx import tiny
 from dflash_mlx.api import load
-from dflash_mlx.decoder import MIN_ROWS, ROW_LIMIT, Decoder, plan_blocks
+from dflash_mlx.decoder import ROW_LIMIT, Decoder, batch_min_rows, plan_blocks
 from dflash_mlx.block_policy import AutoBlock, BlockStats, FixedBlock
 from dflash_mlx.cache import GatedDeltaCache
 from dflash_mlx.loading import load_target
@@ -99,10 +99,11 @@ def snapshot(cache) -> list:
     return out
 
 
-def run_batch(target, draft, specs, joins, record=False):
+def run_batch(target, draft, specs, joins, record=False, passes=None):
     """Decode ``specs`` (dicts: prompt, block, schedule, max_tokens) together, spec i joining at
-    cycle ``joins[i]``: each one's tokens, and (``record``) its cache after every cycle it ran."""
-    decoder = Decoder(target, draft, min_rows=MIN_ROWS)
+    cycle ``joins[i]``: each one's tokens, and (``record``) its cache after every cycle it ran.
+    ``passes`` (a list) gets each cycle's (sequences, rows per sequence)."""
+    decoder = Decoder(target, draft, min_rows=batch_min_rows())
     live, tokens, caches = {}, {i: [] for i in range(len(specs))}, {i: [] for i in range(len(specs))}
     for cycle in itertools.count():
         for i, spec in enumerate(specs):
@@ -117,7 +118,10 @@ def run_batch(target, draft, specs, joins, record=False):
             return tokens, caches
         if live:
             order = list(live)
-            for i, commit in zip(order, decoder.cycle([live[i] for i in order])):
+            commits = decoder.cycle([live[i] for i in order])
+            if passes is not None:
+                passes.append((len(order), decoder.rows // len(order)))
+            for i, commit in zip(order, commits):
                 tokens[i] += commit.tokens
                 if record:
                     caches[i].append(snapshot(live[i].cache))
@@ -160,12 +164,32 @@ def test_each_sequence_gets_what_it_gets_alone(target, prompts, references, join
         assert_lossless(target, spec["prompt"], references[i][: spec["max_tokens"]], together[i])
 
 
+def test_plain_steps_in_a_batch_feed_one_row_each_on_the_cpu(target, prompts, references):
+    """Target-only batches (the server's ``use_draft`` False, bench's target batched) feed every
+    sequence one row on the CPU, alone or beside batch-mates (no padding row, no tape, no
+    rollback): tokens and caches after every cycle still equal each sequence alone, through
+    passes where it ran alone and with mates. (A plain step beside drafting batch-mates, in their
+    longer pass, is in ``test_each_sequence_gets_what_it_gets_alone``: it fails when one row runs
+    the recurrence's step form, as it did before ``kernels._chunk_one``.)"""
+    specs = [dict(prompt=p, block=1, max_tokens=n) for p, n in zip(prompts[:3], [30, 12, 20])]
+    passes = []
+    together, caches = run_batch(target, None, specs, [0, 3, 25], record=True, passes=passes)
+    assert {count for count, _ in passes} == {1, 2}
+    assert batch_min_rows() == 1 and all(rows == 1 for _, rows in passes)
+    for i, spec in enumerate(specs):
+        alone, alone_caches = run_batch(target, None, [spec], [0], record=True)
+        assert together[i] == alone[0], f"sequence {i}"
+        for cycle, (got, want) in enumerate(zip(caches[i], alone_caches[0])):
+            assert all(mx.array_equal(a, b).item() for a, b in zip(got, want)), f"sequence {i}, cycle {cycle}"
+        assert_lossless(target, spec["prompt"], references[i][: spec["max_tokens"]], together[i])
+
+
 def test_a_batch_pass_carries_different_acceptances(target, prompts, references):
     """The oracle's schedules give batch-mates different acceptance lengths in one pass: every
     length 0..block-1 occurs for the block-8 and block-16 sequences."""
     specs = oracle_specs(prompts, references)
     oracle = BatchOracle()
-    decoder = Decoder(target, oracle, min_rows=MIN_ROWS)
+    decoder = Decoder(target, oracle, min_rows=batch_min_rows())
     seqs = [prefilled(decoder, s["prompt"], chooser=FixedBlock(s["block"]), draft_cache=oracle.cache_for(s["sequence"], s["schedule"] * 4),
                       max_tokens=400)[0] for s in specs]
     for s, spec in zip(seqs, specs):
@@ -268,7 +292,7 @@ def synthetic_batch(acceptance, cycles: int, seed: int = 0):
     for cycle in range(cycles):
         T, blocks = plan_blocks([c.choose() for c in choosers])
         aheads = [c.shadow_tokens() if b == 1 else 0 for c, b in zip(choosers, blocks)]
-        seconds = pass_seconds(count * max(T, MIN_ROWS), any(b > 1 or a for b, a in zip(blocks, aheads)))
+        seconds = pass_seconds(count * max(T, batch_min_rows()), any(b > 1 or a for b, a in zip(blocks, aheads)))
         rates = acceptance(cycle) if callable(acceptance) else acceptance
         for c, block, ahead, a in zip(choosers, blocks, aheads, rates):
             accepted = 0
@@ -484,7 +508,7 @@ def test_sampling_inside_a_batch_follows_the_target(tmp_path_factory):
     target, draft = ts.small_pair.__wrapped__(tmp_path_factory)
     sampler = ts.SAMPLERS[1]
     counts = np.zeros((ts.V, ts.V))
-    decoder = Decoder(target, draft, min_rows=MIN_ROWS)
+    decoder = Decoder(target, draft, min_rows=batch_min_rows())
     generator = Sampler(sampler.temperature, top_p=sampler.top_p, top_k=sampler.top_k, min_p=sampler.min_p)
     for run in range(ts.SAMPLES // 4):
         seqs, tokens = [], []

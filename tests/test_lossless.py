@@ -240,7 +240,7 @@ def test_replayed_state_is_bit_identical_to_the_forward_state(monkeypatch):
         np.testing.assert_array_equal(np.array(kernels.tape_replay(state, k, g, tape, n)), np.array(direct))
 
 
-@pytest.mark.parametrize("T", [2, 7, 16, 150])
+@pytest.mark.parametrize("T", [1, 2, 7, 16, 150])
 def test_chunked_recurrence_and_replay_match_the_reference(T):
     """The chunked (triangular-solve) form used on the CPU equals the step-by-step one."""
     from dflash_mlx import kernels
@@ -256,6 +256,25 @@ def test_chunked_recurrence_and_replay_match_the_reference(T):
             np.array(kernels.tape_replay_chunked(state, k, g, delta, n)),
             np.array(kernels.tape_replay_reference(state, k, g, want_delta, n)), atol=2e-5, rtol=1e-5,
         )
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_a_decode_step_is_row_0_of_a_verify_block_bit_for_bit(dtype):
+    """On the CPU the recurrence runs one algebra at every length, so a token's output, tape and
+    state do not depend on how many rows its pass carried: a one-token call equals row 0 of a
+    2..16-token block, and replaying one step of the block's tape gives the one-token call's state.
+    (The decode loop, the verify pass and the batch rest on it; the step form at T = 1 rounds its
+    decay apart: ``g`` against ``exp(log g)``.)"""
+    from dflash_mlx import kernels
+
+    recurrence = kernels.Recurrence(chunked=True)
+    for T in (2, 5, 16):
+        q, k, v, g, beta, state = _recurrence_inputs(seed=T, T=T)
+        q, k, v, beta = (a.astype(dtype) for a in (q, k, v, beta))
+        y1, state1, delta1 = recurrence.gated_delta(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], state)
+        y, _, delta = recurrence.gated_delta(q, k, v, g, beta, state)
+        assert mx.array_equal(y1, y[:, :1]).item() and mx.array_equal(delta1, delta[:, :1]).item(), T
+        assert mx.array_equal(recurrence.tape_replay(state, k, g, delta, 1), state1).item(), T
 
 
 # ---- block sizes chosen per cycle (block_tokens="auto") ----------------------------------------
