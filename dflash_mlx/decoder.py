@@ -25,15 +25,24 @@ from .cache import batch_view, cache_arrays, restore, rollback, snapshot
 from .models.dflash import DFlashDraft
 from .models.qwen3_5 import Model as Target
 from .prefill import features_from, prefill_chunks
+from .quantized import MAX_ROWS
 from .records import Budget, Commit, logprobs
 from .sampling import Sampler, accept
 
 GREEDY = Sampler()  # shadows grade drafts by greedy tokens
 
-# Rows a target pass may take (sequences x block): past it the blocks are cut down (``plan_blocks``).
-# On a Mac a pass costs about one read of the weights until the rows reach the GPU's arithmetic
-# roof; 64 rows keep four sequences at block 16, or eight at block 8.
+# Rows a target pass may take on the CPU (sequences x block): past it the blocks are cut down
+# (``plan_blocks``); 64 rows keep four sequences at block 16, or eight at block 8.
 ROW_LIMIT = 64
+
+
+def batch_row_limit() -> int:
+    """Rows one batched target pass may take on this process's device. On a GPU the quantized
+    layers' verify kernel is row-independent up to ``quantized.MAX_ROWS`` rows and stock MLX runs
+    past it (its sums round apart), so a pass stays within the kernel: a sequence's bits never
+    depend on how many rows its batch-mates add (and past a few rows a pass is arithmetic-bound on
+    M1-M4 anyway, docs/kernels.md). On the CPU every product is row-independent: ``ROW_LIMIT``."""
+    return MAX_ROWS if mx.default_device() == mx.gpu else ROW_LIMIT
 
 
 def batch_min_rows() -> int:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Deque, Dict, Generator, List, Optional, Sequen
 
 
 from .api import DFlashModel, GenerationResponse, Responder, _drafting, encode_prompt
-from .decoder import ROW_LIMIT, Decoder, batch_min_rows, Sequence as DecodeSequence
+from .decoder import Decoder, batch_min_rows, batch_row_limit, Sequence as DecodeSequence
 from .block_policy import BlockTokens, FixedBlock
 from .prompt_cache import PromptCache, PromptCachePool
 from .sampling import Sampler
@@ -65,9 +65,14 @@ class Scheduler:
     gives its history back to."""
 
     def __init__(self, model: DFlashModel, tokenizer, max_active: int = 4, prompt_cache: Optional[PromptCachePool] = None,
-                 prefill_step_size: Optional[int] = None, row_limit: int = ROW_LIMIT):
+                 prefill_step_size: Optional[int] = None, row_limit: Optional[int] = None):
         if max_active < 1:
             raise ValueError(f"max_active must be at least 1, got {max_active}")
+        row_limit = batch_row_limit() if row_limit is None else row_limit
+        if max_active * batch_min_rows() > row_limit:
+            raise ValueError(f"max_active {max_active}: a pass takes at most {row_limit} rows on this device, at least "
+                             f"{batch_min_rows()} per sequence (docs/design.md, 'Batched decoding'): at most "
+                             f"{row_limit // batch_min_rows()} at once")
         if model.pipeline is not None:
             raise ValueError("a pipelined target decodes one request at a time: batching needs every layer here")
         self.model, self.tokenizer, self.max_active = model, tokenizer, max_active
@@ -115,7 +120,7 @@ class Scheduler:
     def _decoder(self, use_draft: bool) -> Decoder:
         if use_draft not in self.decoders:
             self.decoders[use_draft] = Decoder(self.model.target, self.model.draft if use_draft else None, self.row_limit,
-                                               min_rows=batch_min_rows())
+                                               batch_min_rows())
         return self.decoders[use_draft]
 
     def _admit(self, r: BatchRequest) -> None:

@@ -17,7 +17,7 @@ import pytest
 
 from dflash_mlx import tiny
 from dflash_mlx.api import load
-from dflash_mlx.decoder import ROW_LIMIT, Decoder, batch_min_rows, plan_blocks
+from dflash_mlx.decoder import ROW_LIMIT, Decoder, batch_min_rows, batch_row_limit, plan_blocks
 from dflash_mlx.block_policy import AutoBlock, BlockStats, FixedBlock
 from dflash_mlx.cache import GatedDeltaCache
 from dflash_mlx.loading import load_target
@@ -544,3 +544,14 @@ def test_the_engine_refuses_to_batch_a_pipelined_target_and_bad_settings():
         Engine(pipelined, None, "m", max_concurrent=1, max_queue=-1)
     with pytest.raises(ValueError, match="batching needs every layer here"):
         Scheduler(pipelined, None)
+
+
+def test_a_pass_stays_within_the_devices_row_limit(pair_model):
+    """More sequences than a pass's rows can hold (at least one row each on the CPU, two on a GPU,
+    within 16 rows there: the verify kernel's row-independent range) are refused, naming the count;
+    on the CPU the limit is ``ROW_LIMIT``."""
+    model, tokenizer = pair_model
+    assert batch_row_limit() == ROW_LIMIT and batch_min_rows() == 1
+    with pytest.raises(ValueError, match="max_active 9: a pass takes at most 8 rows on this device.*at most 8 at once"):
+        Scheduler(model, tokenizer, max_active=9, row_limit=8)
+    assert Scheduler(model, tokenizer, max_active=8, row_limit=8).row_limit == 8
