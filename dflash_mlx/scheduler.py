@@ -4,8 +4,8 @@ when they finish, each exactly as it would run alone through the same engine.
 One scheduling round: cancelled requests leave; waiting ones are admitted while the batch has
 room (in arrival order); the request being prefilled runs one chunk; every active request gets
 one cycle (``decoder.Decoder``), its commits turned into responses by its own ``Responder``.
-So active streams pause for at most one prefill chunk while a long prompt comes in, and a
-cancelled request frees its slot at the next round. Everything runs on the caller's thread
+So active streams pause for at most one prefill chunk (``BATCH_PREFILL_STEP`` tokens) while a
+long prompt comes in, and a cancelled request frees its slot at the next round. Everything runs on the caller's thread
 (the server's worker): the prefix caches need no lock.
 """
 
@@ -22,6 +22,15 @@ from .decoder import Decoder, batch_min_rows, batch_row_limit, Sequence as Decod
 from .block_policy import BlockTokens, FixedBlock
 from .prompt_cache import PromptCache, PromptCachePool
 from .sampling import Sampler
+
+# Prompt tokens per prefill chunk in the batch. One chunk runs per round, between the active
+# streams' cycles, so it is what they pause for at most while a prompt comes in: 512 rather than
+# the single stream's 2048 (``prefill.default_prefill_step``) keeps that pause a quarter as long
+# (measured in docs/benchmarks.md). Every request through the scheduler, alone or not, prefills in
+# these chunks, so its caches are what it gets alone (on the CPU any multiple of the recurrence's
+# 64-token chunk gives the same bits as 2048, checked; on a GPU attention kernels may tile by
+# query count, hence one size for all).
+BATCH_PREFILL_STEP = 512
 
 
 @dataclass(eq=False)
@@ -76,7 +85,8 @@ class Scheduler:
         if model.pipeline is not None:
             raise ValueError("a pipelined target decodes one request at a time: batching needs every layer here")
         self.model, self.tokenizer, self.max_active = model, tokenizer, max_active
-        self.prompt_cache, self.prefill_step_size = prompt_cache, prefill_step_size
+        self.prompt_cache = prompt_cache
+        self.prefill_step_size = BATCH_PREFILL_STEP if prefill_step_size is None else prefill_step_size
         self.decoders: Dict[bool, Decoder] = {}  # with the draft and without (use_draft False)
         self.row_limit = row_limit
         self.waiting: Deque[BatchRequest] = deque()

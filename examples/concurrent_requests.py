@@ -37,11 +37,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(model: str, concurrent: int):
+def start(model: str, concurrent: int, context: int = 0):
     port = free_port()
+    extra = ["--context-size", str(context)] if context else []
     log = tempfile.NamedTemporaryFile(prefix="dflash-serve-", suffix=".log", delete=False)
     process = subprocess.Popen([sys.executable, "-m", "dflash_mlx.cli", "serve", "--model", model, "--port", str(port),
-                                "--max-concurrent", str(concurrent)], stdout=log, stderr=subprocess.STDOUT)
+                                "--max-concurrent", str(concurrent), *extra], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
@@ -103,7 +104,7 @@ def main():
     seconds = {4: [], 1: []}
     for repeat in range(args.repeats):
         for concurrent in (4, 1) if repeat % 2 == 0 else (1, 4):
-            process, url = start(args.model, concurrent)
+            process, url = start(args.model, concurrent, 4 * args.long_prompt + 4096 if args.long_prompt else 0)
             try:
                 alone = [ask(url, p, args.max_tokens)[0] for p in prompts[: len(SUITES["edit"])]]
                 at_once(url, prompts[:1], 8)  # warm

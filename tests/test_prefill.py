@@ -160,3 +160,31 @@ def test_the_draft_cache_grows_once_for_a_prompt(target, draft):
                              on_chunk=lambda fed: capacities.append(cache[0].keys.shape[2]))
     next(steps)
     assert len(capacities) == 6 and set(capacities) == {768}, capacities  # 600 + a block, in steps of 256
+
+
+def test_chunk_sizes_that_keep_the_recurrences_chunks_give_the_same_bits(target, draft):
+    """On the CPU a prompt prefilled in chunks of 512, 256 or 128 tokens (multiples of the
+    recurrence's 64-token chunk) leaves the target's and the draft's caches and the first token
+    exactly as 2048 does (the scheduler prefills in 512-token chunks, the single stream in 2048);
+    a chunk of 100 moves the recurrence's chunk boundaries and changes the bits (the test's
+    sensitivity)."""
+    from dflash_mlx.decoder import Decoder
+    from dflash_mlx.sampling import Sampler
+
+    prompt = mx.array(np.random.default_rng(3).integers(0, 200, 700))
+
+    def prefilled(step):
+        start = Decoder(target, draft).start(prompt, Sampler(), prefill_step_size=step, max_tokens=4)
+        while True:
+            try:
+                next(start)
+            except StopIteration as done:
+                seq, commit = done.value
+                return cache_arrays(seq.cache) + cache_arrays(seq.draft_cache), commit.tokens
+
+    want, first = prefilled(2048)
+    for step in (512, 256, 128):
+        got, token = prefilled(step)
+        assert token == first and all(mx.array_equal(a, b).item() for a, b in zip(got, want)), step
+    got, _ = prefilled(100)
+    assert not all(mx.array_equal(a, b).item() for a, b in zip(got, want))
