@@ -32,19 +32,27 @@ from . import kernels
 from .paths import home
 
 MAX_ROWS = 16
-ROW_BUCKETS = (1, 2, 4, 8, 16)  # the kernel's accumulator counts (template Rows); M rounds up
-COLUMNS = 4  # output columns per simdgroup (the kernel's `columns`)
-THREADGROUP = (32, 4, 1)  # four simdgroups (16 columns) share each staged slice of x
+ROW_BUCKETS = (1, 2, 4, 8, 16)  # the per-row kernel's accumulator counts (template Rows); M rounds up
+TILE_ROWS = (8, 16)  # the tile kernel's rows: one or two 8-row simdgroup-matrix tiles, padded with zeros
+COLUMNS = 4  # output columns per simdgroup (the per-row kernel's `columns`)
+TILE_COLUMNS = 32  # output columns per threadgroup of the tile kernel (8 per simdgroup)
+THREADGROUP = (32, 4, 1)  # four simdgroups share each staged slice of x (both kernels)
 KERNEL = "quantized_verify"
+TILE_KERNEL = "quantized_verify_tile"
 MODES = {"affine": 0, "mxfp4": 1}
 KERNEL_BITS = {"affine": (4, 8), "mxfp4": (4,)}
 KERNEL_GROUPS = {"affine": (32, 64, 128), "mxfp4": (32,)}
-STOCK, OURS = "stock", "kernel"
+# The implementations a layer can run (one for every row count 1..16): MLX's stock
+# quantized_matmul, the per-row kernel, the simdgroup-matrix tile kernel.
+STOCK, OURS, TILE = "stock", "kernel", "tile"
+KERNEL_OF = {OURS: KERNEL, TILE: TILE_KERNEL}
+IMPLEMENTATION_OF = {name: impl for impl, name in KERNEL_OF.items()}
+BUCKETS = {OURS: ROW_BUCKETS, TILE: TILE_ROWS}
 
 
-def rows_bucket(rows: int) -> int:
-    """The smallest accumulator count that holds ``rows`` (1..16)."""
-    for bucket in ROW_BUCKETS:
+def rows_bucket(rows: int, impl: str = OURS) -> int:
+    """The smallest row count of ``impl``'s specializations that holds ``rows`` (1..16)."""
+    for bucket in BUCKETS[impl]:
         if rows <= bucket:
             return bucket
     raise ValueError(f"the verify kernel takes at most {MAX_ROWS} rows (got {rows})")
@@ -56,9 +64,10 @@ def kernel_supports(bits: int, group_size: int, mode: str) -> bool:
 
 def quantized_verify_launch(x: mx.array, w: mx.array, scales: mx.array, biases: Optional[mx.array],
                             group_size: int, bits: int, mode: str = "affine",
-                            rows: Optional[int] = None) -> kernels.Launch:
-    """One call for ``x`` [M, K] (M <= 16) against packed ``w`` [N, K*bits/32]. ``rows`` forces
-    the accumulator count (tests: a row's result may not depend on it)."""
+                            rows: Optional[int] = None, impl: str = OURS) -> kernels.Launch:
+    """One call for ``x`` [M, K] (M <= 16) against packed ``w`` [N, K*bits/32], through the
+    per-row kernel (``impl`` OURS) or the tile kernel (TILE). ``rows`` forces the accumulator
+    count, or the padded rows of the tile (tests: a row's result may not depend on it)."""
     M, K = x.shape
     N = w.shape[0]
     if not kernel_supports(bits, group_size, mode):
@@ -67,13 +76,15 @@ def quantized_verify_launch(x: mx.array, w: mx.array, scales: mx.array, biases: 
         raise ValueError(f"weights [{N}, {w.shape[1]}] at {bits} bits do not hold K={K} in groups of {group_size}")
     if biases is None:  # mxfp4 has none; one placeholder element keeps a single signature
         biases = mx.zeros((1,), dtype=mx.float32)
-    bucket = rows or rows_bucket(M)
-    if not M <= bucket <= MAX_ROWS:
-        raise ValueError(f"rows={bucket} cannot hold M={M} (at most {MAX_ROWS})")
+    bucket = rows or rows_bucket(M, impl)
+    if not M <= bucket <= MAX_ROWS or bucket not in BUCKETS[impl]:
+        raise ValueError(f"rows={bucket} cannot hold M={M} in the {impl} (rows {BUCKETS[impl]}, at most {MAX_ROWS})")
     template = (("OutT", x.dtype), ("Rows", bucket), ("bits", bits), ("group_size", group_size), ("Mode", MODES[mode]))
+    # per-row: one simdgroup per 4 columns; tile: four simdgroups per 32 columns, whole threadgroups
+    grid = (32, -(-N // COLUMNS), 1) if impl == OURS else (32, 4 * -(-N // TILE_COLUMNS), 1)
     return kernels.Launch(
-        KERNEL, (x, w, scales, biases, M, K, N), template,
-        grid=(32, -(-N // COLUMNS), 1), output_shapes=((M, N),), output_dtypes=(x.dtype,), threadgroup=THREADGROUP,
+        KERNEL_OF[impl], (x, w, scales, biases, M, K, N), template,
+        grid=grid, output_shapes=((M, N),), output_dtypes=(x.dtype,), threadgroup=THREADGROUP,
     )
 
 
@@ -114,8 +125,10 @@ def _check_quantized(metal: kernels.MetalKernels, launch: kernels.Launch) -> Opt
     """On a small random layer (three steps of K), in the call's signature (dtypes and address
     spaces: the call's own K and N where a small layer puts some input in the ``constant`` space):
     every row within float tolerance of the reference; and on cancelling rows
-    (``cancelling_layer``), the last row bit for bit the same row computed alone (a one-row call),
-    which is what keeps verify equal to decode."""
+    (``cancelling_layer``), the last row bit for bit the same row computed alone (a one-row call:
+    one accumulator, or the tile padded from one row), which is what keeps verify equal to decode.
+    For either kernel (the launch's name says which)."""
+    impl = IMPLEMENTATION_OF[launch.name]
     template = dict(launch.template)
     dtype, rows, bits, group_size = template["OutT"], template["Rows"], template["bits"], template["group_size"]
     mode = next(m for m, code in MODES.items() if code == template["Mode"])
@@ -123,7 +136,7 @@ def _check_quantized(metal: kernels.MetalKernels, launch: kernels.Launch) -> Opt
     seed = rows * 1000 + bits * 10 + group_size
     for K, N in ((768, 2 * COLUMNS + 1), (launch.inputs[5], launch.inputs[6])):
         x, cancelling, w, scales, bias = cancelling_layer(rows, K, N, bits, group_size, mode, dtype, seed, scale_dtype)
-        call = quantized_verify_launch(x, w, scales, bias, group_size, bits, mode, rows=rows)
+        call = quantized_verify_launch(x, w, scales, bias, group_size, bits, mode, rows=rows, impl=impl)
         if call.signature == launch.signature:
             break
     else:
@@ -134,8 +147,8 @@ def _check_quantized(metal: kernels.MetalKernels, launch: kernels.Launch) -> Opt
     if not mx.allclose(y.astype(mx.float32), want.astype(mx.float32), atol=tolerance * math.sqrt(K), rtol=tolerance).item():
         return f"its output differs from the reference (M={rows}, K={K}, N={N})"
     if rows > 1:
-        (y,) = metal.run(quantized_verify_launch(cancelling, w, scales, bias, group_size, bits, mode, rows=rows))
-        (alone,) = metal.run(quantized_verify_launch(cancelling[-1:], w, scales, bias, group_size, bits, mode, rows=1))
+        (y,) = metal.run(quantized_verify_launch(cancelling, w, scales, bias, group_size, bits, mode, rows=rows, impl=impl))
+        (alone,) = metal.run(quantized_verify_launch(cancelling[-1:], w, scales, bias, group_size, bits, mode, impl=impl))
         if not mx.array_equal(alone[0], y[-1]).item():
             return f"row {rows - 1} of a {rows}-row call differs from the same row computed alone"
     return None
@@ -163,22 +176,23 @@ def dtype_name(dtype: mx.Dtype) -> str:
 
 
 def form_usable(metal: kernels.MetalKernels, dtype: mx.Dtype, w: mx.array, scales: mx.array, biases: Optional[mx.array],
-                group_size: int, bits: int, mode: str) -> bool:
-    """Whether the kernel may run this layer (its arrays, activations of ``dtype``) at every row
-    count: each accumulator count (1, 2, 4, 8, 16) passed its self-check in the signature the
-    layer's calls have. One failing makes the layer stock at every row count, so that no layer runs
-    the kernel at some row counts and stock at others."""
+                group_size: int, bits: int, mode: str, impl: str = OURS) -> bool:
+    """Whether ``impl``'s kernel may run this layer (its arrays, activations of ``dtype``) at
+    every row count: each of its specializations (the per-row kernel's accumulator counts 1, 2, 4,
+    8, 16; the tile's 8 and 16 rows) passed its self-check in the signature the layer's calls have.
+    One failing makes the layer stock at every row count, so that no layer runs a kernel at some
+    row counts and stock at others."""
     K = w.shape[1] * 32 // bits
     return all(metal.usable(quantized_verify_launch(mx.zeros((rows, K), dtype=dtype), w, scales, biases, group_size, bits,
-                                                    mode), _check_quantized) for rows in ROW_BUCKETS)
+                                                    mode, impl=impl), _check_quantized) for rows in BUCKETS[impl])
 
 
 class QuantizedMatmuls:
     """Which implementation each quantized layer shape uses in this process, for every row count
-    1..16 alike: ``kernel`` where the tuner measured ours faster than stock by its margin over the
-    row counts it timed (or ``choices`` say so), stock everywhere else (shapes and modes the kernel
-    has no form for, forms that failed a self-check). Calls of more than 16 rows (prefill chunks)
-    run stock whatever the choice.
+    1..16 alike: ``kernel`` (per-row) or ``tile`` where the tuner chose it (``Timing.choice``; or
+    ``choices`` say so), stock everywhere else (shapes and modes the kernels have no form for,
+    forms that failed a self-check). Calls of more than 16 rows (prefill chunks) run stock
+    whatever the choice.
     """
 
     def __init__(self, metal: kernels.MetalKernels, choices: Optional[Dict[MatmulShape, str]] = None):
@@ -196,21 +210,22 @@ class QuantizedMatmuls:
         return cls(kernels.process_metal_kernels(), TuningCache.for_this_device().choices())
 
     def chosen(self, shape: MatmulShape) -> bool:
-        return self.choices.get(shape) == OURS
+        return self.choices.get(shape) in KERNEL_OF
 
     def matmul(self, x: mx.array, w, scales, biases, group_size: int, bits: int, mode: str,
                always: bool = False) -> Optional[mx.array]:
-        """``x @ dequant(w).T`` through the kernel, or None where stock should run (``always``:
-        the kernel whatever the tuner measured, wherever it has a form and passed its self-checks)."""
+        """``x @ dequant(w).T`` through the layer's kernel, or None where stock should run
+        (``always``: a kernel whatever the tuner measured, the per-row one unless the tile was
+        chosen, wherever it has a form and passed its self-checks)."""
         K = x.shape[-1]
         rows = x.size // K if K else 0
         if not 1 <= rows <= MAX_ROWS or not kernel_supports(bits, group_size, mode):
             return None
-        if not always and not self.chosen(MatmulShape(K, w.shape[0], bits, group_size, mode, dtype_name(x.dtype))):
+        choice = self.choices.get(MatmulShape(K, w.shape[0], bits, group_size, mode, dtype_name(x.dtype)))
+        impl = choice if choice in KERNEL_OF else OURS if always else None
+        if impl is None or not form_usable(self.metal, x.dtype, w, scales, biases, group_size, bits, mode, impl):
             return None
-        if not form_usable(self.metal, x.dtype, w, scales, biases, group_size, bits, mode):
-            return None
-        launch = quantized_verify_launch(x.reshape(rows, K), w, scales, biases, group_size, bits, mode)
+        launch = quantized_verify_launch(x.reshape(rows, K), w, scales, biases, group_size, bits, mode, impl=impl)
         return self.metal.run(launch)[0].reshape(*x.shape[:-1], w.shape[0])
 
 
@@ -223,7 +238,7 @@ class _Routed:
         self.group_size, self.bits, self.mode = layer.group_size, layer.bits, layer.mode
         dict.update(self, layer.items())  # the same arrays: weight, scales, biases, bias
         self.freeze()
-        object.__setattr__(self, "matmuls", matmuls)  # a plain attribute, not a parameter
+        self.matmuls = matmuls  # not an array, list or dict: a plain attribute, not a parameter
 
     def _through_kernel(self, x: mx.array, always: bool = False) -> Optional[mx.array]:
         if self.matmuls is None:
@@ -274,7 +289,7 @@ def route(model: nn.Module, matmuls: Optional[QuantizedMatmuls]) -> int:
     routed = []
     for path, module in model.named_modules():
         if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
-            object.__setattr__(module, "matmuls", matmuls)
+            module.matmuls = matmuls
         elif isinstance(module, nn.QuantizedLinear):
             routed.append((path, QuantizedLinear(module, matmuls)))
         elif isinstance(module, nn.QuantizedEmbedding):
@@ -289,7 +304,7 @@ def route_layers(model: nn.Module, layers, matmuls: Optional[QuantizedMatmuls]) 
     (a layer's ``eager`` attribute: the layer then runs uncompiled)."""
     route(model, matmuls)
     for layer in layers:
-        object.__setattr__(layer, "eager", routes_to_metal(layer))
+        layer.eager = routes_to_metal(layer)
 
 
 def _shape(layer: nn.Module, dtype: Optional[mx.Dtype] = None) -> MatmulShape:

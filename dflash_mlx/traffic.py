@@ -54,6 +54,40 @@ def stock_reads(M: int, K: int, N: int, generation: int, ultra: bool = False) ->
     return "qmv", M
 
 
+# Stock kernels that give each row of x its own threadgroups (grid (M, ...)): a row's result does
+# not depend on the rows beside it or on M.
+ROW_INDEPENDENT_STOCK = ("qmv", "qmv_quad")
+
+
+def stock_kernel(M: int, K: int, N: int, bits: int, mode: str, generation: int, ultra: bool = False) -> str:
+    """The Metal kernel MLX 0.32's ``quantized_matmul`` runs for M rows against transposed 2-D
+    weights [N, K] (``QuantizedMatmul::eval_gpu`` and ``dispatch_qmv`` in
+    ``mlx/backend/metal/quantized.cpp``): ``qmm`` (split-K or NAX variants included) from the
+    batch limit on; below it ``qmv_quad`` where K is 64 or 128 (power-of-two bits); else
+    ``qmv_wide`` from 2 rows where it is used (affine on generation 15+, other modes everywhere);
+    else ``qmv`` (``qmv_fast`` where the shape aligns: chosen by shape, not by M)."""
+    if M >= qmv_batch_limit(K, N, generation, ultra):
+        return "qmm"
+    if K in (64, 128) and bits & (bits - 1) == 0:
+        return "qmv_quad"
+    if M >= 2 and (mode != "affine" or generation >= 15):
+        return "qmv_wide"
+    return "qmv"
+
+
+def stock_one_kernel(K: int, N: int, bits: int, mode: str, generation: Optional[int], ultra: bool = False,
+                     rows: int = 16) -> Optional[str]:
+    """The stock kernel when one row-independent kernel runs a shape at every M = 1..``rows``
+    (then a verify row is bit for bit its decode step through stock too), else None: where stock
+    switches kernels across M (``qmv`` for a decode step, ``qmv_wide`` or ``qmm`` for a block) the
+    two sum in different orders. None off Apple GPUs (no generation)."""
+    if generation is None:
+        return None
+    kinds = {stock_kernel(M, K, N, bits, mode, generation, ultra) for M in range(1, rows + 1)}
+    kind = kinds.pop() if len(kinds) == 1 else None
+    return kind if kind in ROW_INDEPENDENT_STOCK else None
+
+
 @dataclass(frozen=True)
 class Matmul:
     name: str
