@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from . import kernels
+from . import kernels, traffic
 from .paths import home
 
 MAX_ROWS = 16
@@ -348,8 +348,9 @@ def shapes_of(models: Iterable[nn.Module], dtype: Optional[mx.Dtype] = None) -> 
 
 # The row counts the tuner times (the largest of each accumulator count): one decision for 1..16.
 TUNED_ROWS = (1, 2, 4, 8, 16)
-# The kernel runs a shape only if it is this much faster than stock over the timed row counts
-# (its layer then runs uncompiled, and timings carry noise).
+# Where stock is one row-independent kernel for every row count, a kernel of ours runs a shape only
+# if it is this much faster than stock over the timed row counts (its layer then runs uncompiled,
+# and timings carry noise).
 MARGIN = 0.05
 
 
@@ -372,42 +373,75 @@ wall_time = batch_time  # the name callers used
 
 @dataclass
 class Timing:
+    """A shape's measured seconds per call by rows, and the implementation it runs at every row
+    count (``choice``)."""
+
     shape: MatmulShape
     stock_s: Dict[int, float]  # seconds per call, by rows
-    kernel_s: Optional[Dict[int, float]]  # None: the kernel failed a self-check for this form
+    kernel_s: Optional[Dict[int, float]]  # the per-row kernel; None: it failed a self-check for this form
+    tile_s: Optional[Dict[int, float]] = None  # the tile kernel; None: failed, or not timed
+    # The stock kernel where one row-independent stock kernel runs this shape at every M = 1..16 on
+    # this GPU (traffic.stock_one_kernel), else None: stock would round a decode step and a verify
+    # block differently.
+    stock_one: Optional[str] = None
 
     @property
     def choice(self) -> str:
-        if self.kernel_s is None:
+        """The faster of our kernels over the timed row counts (the per-row one on a tie). Stock
+        only where no kernel of ours passed its self-checks, or where stock is one row-independent
+        kernel at every row count and ours is not ``MARGIN`` faster: where stock switches kernels
+        across row counts it is not an option, whatever the timings."""
+        ours = {impl: sum(times.values()) for impl, times in ((OURS, self.kernel_s), (TILE, self.tile_s)) if times}
+        if not ours:
             return STOCK
-        return OURS if sum(self.kernel_s.values()) <= (1 - MARGIN) * sum(self.stock_s.values()) else STOCK
+        best = min(ours, key=ours.get)
+        if self.stock_one is not None and ours[best] > (1 - MARGIN) * sum(self.stock_s.values()):
+            return STOCK
+        return best
 
 
 def _arrays(layer: nn.Module):
     return layer["weight"], layer["scales"], layer.get("biases")
 
 
+def stock_rule(facts=None) -> Callable[[MatmulShape], Optional[str]]:
+    """``traffic.stock_one_kernel`` for a GPU (``device.facts()``, this one by default: its
+    generation; an Ultra's architecture ends in ``d``), shape by shape; off Apple GPUs every shape
+    gets None."""
+    from . import device
+
+    facts = facts or device.facts()
+    ultra = facts.architecture.endswith("d")
+    return lambda s: traffic.stock_one_kernel(s.K, s.N, s.bits, s.mode, facts.generation, ultra)
+
+
 def tune(metal: kernels.MetalKernels, layers, measure: Callable[[str, Callable[[], mx.array]], float] = batch_time,
-         progress: Optional[Callable[[int, int], None]] = None, rows: Iterable[int] = TUNED_ROWS) -> List[Timing]:
-    """Times stock ``mx.quantized_matmul`` against the kernel for each shape at each of ``rows``,
-    on the layer's own weights (``layers``: shape -> layer, as ``layers_of`` gives; x is random),
-    and decides per shape for every row count at once (``Timing.choice``)."""
+         progress: Optional[Callable[[int, int], None]] = None, rows: Iterable[int] = TUNED_ROWS,
+         stock_one: Optional[Callable[[MatmulShape], Optional[str]]] = None) -> List[Timing]:
+    """Times stock ``mx.quantized_matmul``, the per-row kernel and the tile kernel for each shape
+    at each of ``rows``, on the layer's own weights (``layers``: shape -> layer, as ``layers_of``
+    gives; x is random), and decides per shape for every row count at once (``Timing.choice``;
+    ``stock_one`` says where stock is one row-independent kernel, this GPU's rule by default)."""
     layers = dict(layers)
     rows = list(rows)
+    stock_one = stock_one or stock_rule()
     timings = []
     for i, (shape, layer) in enumerate(layers.items()):
         w, scales, biases = _arrays(layer)
         dtype = getattr(mx, shape.dtype)
-        usable = form_usable(metal, dtype, w, scales, biases, shape.group_size, shape.bits, shape.mode)
-        stock, ours = {}, ({} if usable else None)
+        times: Dict[str, Optional[Dict[int, float]]] = {STOCK: {}}
+        for impl in KERNEL_OF:
+            usable = form_usable(metal, dtype, w, scales, biases, shape.group_size, shape.bits, shape.mode, impl)
+            times[impl] = {} if usable else None
         for M in rows:
             x = mx.random.normal((M, shape.K), key=mx.random.key(M)).astype(dtype)
-            stock[M] = measure(STOCK, lambda: mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=shape.group_size,
-                                                                bits=shape.bits, mode=shape.mode))
-            if usable:
-                launch = quantized_verify_launch(x, w, scales, biases, shape.group_size, shape.bits, shape.mode)
-                ours[M] = measure(OURS, lambda: metal.run(launch)[0])
-        timings.append(Timing(shape, stock, ours))
+            times[STOCK][M] = measure(STOCK, lambda: mx.quantized_matmul(
+                x, w, scales, biases, transpose=True, group_size=shape.group_size, bits=shape.bits, mode=shape.mode))
+            for impl in KERNEL_OF:
+                if times[impl] is not None:
+                    launch = quantized_verify_launch(x, w, scales, biases, shape.group_size, shape.bits, shape.mode, impl=impl)
+                    times[impl][M] = measure(impl, lambda: metal.run(launch)[0])
+        timings.append(Timing(shape, times[STOCK], times[OURS], times[TILE], stock_one(shape)))
         if progress is not None:
             progress(i + 1, len(layers))
     return timings
@@ -418,8 +452,9 @@ def device_id() -> str:
     from . import device
 
     facts = device.facts()
-    source = hashlib.sha256(kernels.kernel_source(KERNEL).encode()).hexdigest()[:12]
-    return f"{facts.name} | {facts.architecture} | mlx {mx.__version__} | {KERNEL} {source}"
+    sources = " | ".join(f"{name} {hashlib.sha256(kernels.kernel_source(name).encode()).hexdigest()[:12]}"
+                         for name in KERNEL_OF.values())
+    return f"{facts.name} | {facts.architecture} | mlx {mx.__version__} | {sources}"
 
 
 def per_rows_us(times: Optional[Dict[int, float]]) -> Optional[Dict[str, float]]:
@@ -448,7 +483,8 @@ class TuningCache:
     def record(self, timings: Iterable[Timing]) -> None:
         for t in timings:
             self.entries[t.shape.key()] = {"shape": t.shape.__dict__, "stock_us": per_rows_us(t.stock_s),
-                                           "kernel_us": per_rows_us(t.kernel_s), "choice": t.choice}
+                                           "kernel_us": per_rows_us(t.kernel_s), "tile_us": per_rows_us(t.tile_s),
+                                           "stock_one_kernel": t.stock_one, "choice": t.choice}
         try:
             everything = json.loads(self.path.read_text())
         except (OSError, ValueError):
@@ -471,14 +507,14 @@ class TuningCache:
 
 
 def tune_pair(matmuls: QuantizedMatmuls, models: Iterable[nn.Module], cache: TuningCache, everything: bool = False,
-              measure=batch_time, progress=None) -> List[Timing]:
+              measure=batch_time, progress=None, stock_one=None) -> List[Timing]:
     """Times the pair's shapes the cache lacks (all of them with ``everything``), records them,
     makes ``matmuls`` use the results, and routes the models again so that only the layers whose
     kernel won run uncompiled. Returns the new timings."""
     models = list(models)
     layers = layers_of(models)
     todo = layers if everything else {s: layers[s] for s in cache.missing(layers)}
-    timings = tune(matmuls.metal, todo, measure, progress) if todo else []
+    timings = tune(matmuls.metal, todo, measure, progress, stock_one=stock_one) if todo else []
     if timings:
         cache.record(timings)
     matmuls.choices.update(cache.choices())
@@ -491,15 +527,17 @@ def tune_pair(matmuls: QuantizedMatmuls, models: Iterable[nn.Module], cache: Tun
 
 
 def render_timings(timings: Iterable[Timing]) -> List[str]:
-    """The tuner's table: one line per shape, stock / kernel microseconds per call at each timed
-    row count, the choice (for every row count)."""
+    """The tuner's table: one line per shape, stock / per-row kernel / tile microseconds per call
+    at each timed row count, whether stock is one row-independent kernel here, the choice (for
+    every row count)."""
     timings = list(timings)
     rows = sorted({m for t in timings for m in t.stock_s})
-    lines = [f"{'shape':<36} " + " ".join(f"{'M=' + str(m) + ' stock/kernel':>19}" for m in rows) + "  choice"]
+    lines = [f"{'shape':<36} " + " ".join(f"{'M=' + str(m) + ' stock/kernel/tile':>26}" for m in rows)
+             + "  stock one kernel  choice"]
     for t in timings:
         cells = []
         for m in rows:
-            kernel = "failed" if t.kernel_s is None else f"{t.kernel_s[m] * 1e6:.1f}"
-            cells.append(f"{t.stock_s[m] * 1e6:.1f}/{kernel}".rjust(19))
-        lines.append(f"{t.shape.key():<36} " + " ".join(cells) + f"  {t.choice}")
+            kernel, tile = ("failed" if times is None else f"{times[m] * 1e6:.1f}" for times in (t.kernel_s, t.tile_s))
+            cells.append(f"{t.stock_s[m] * 1e6:.1f}/{kernel}/{tile}".rjust(26))
+        lines.append(f"{t.shape.key():<36} " + " ".join(cells) + f"  {str(t.stock_one or 'no'):>16}  {t.choice}")
     return lines
