@@ -94,9 +94,10 @@ TILE_MUTATIONS = {
     "bias dropped": ("metal::fma(scale, static_cast<float>(q), bias)", "scale * static_cast<float>(q)"),
     "nibbles read in the wrong order": ("(packed >> (j * bits)) & mask", "(packed >> ((per_word - 1 - j) * bits)) & mask"),
     "e2m1 sign lost": ("e2m1[tid] = (tid & 8u) ? -magnitude : magnitude;", "e2m1[tid] = magnitude;"),
-    "e2m1 table read before it is written": (
-        "  threadgroup_barrier(mem_flags::mem_threadgroup);  // the table before any thread decodes\n", ""),
+    "e2m1 table value wrong (6 read as 4)": ("(1.0f + half_steps) * static_cast<float>(1u << (e - 1u))",
+                                             "(1.0f + half_steps * (e == 3u ? 0.0f : 1.0f)) * static_cast<float>(1u << (e - 1u))"),
     "output written past the last column (into the next row)": ("if (r < M && n < N) {", "if (r < M && (n < N || (r + 1 < M && n < 2 * N))) {"),
+    "a partial threadgroup's real columns not dequantized": ("  if (n < N) {\n    const int k0", "  if (n < N && n0 + tile_n <= N) {\n    const int k0"),
     "the second row tile reads the first's rows": ("&x_tile[t * 8 * tile_k + kk]", "&x_tile[kk]"),
     "a row of x staged from the row before": ("static_cast<float>(x[r * K + kb + i % tile_k])",
                                               "static_cast<float>(x[(r > 0 ? r - 1 : 0) * K + kb + i % tile_k])"),
@@ -107,7 +108,7 @@ TILE_MUTATIONS = {
     "dropped simdgroup_barrier before the write-out": (
         "simdgroup_barrier(mem_flags::mem_threadgroup);  // a lane writes", "// a lane writes"),
 }
-TILE_MUTANT_FORM = {"e2m1 sign lost": ("mxfp4", 4, 32), "e2m1 table read before it is written": ("mxfp4", 4, 32)}
+TILE_MUTANT_FORM = {name: ("mxfp4", 4, 32) for name in TILE_MUTATIONS if name.startswith("e2m1")}
 
 
 def tile_caught(sources, form, schedule) -> bool:
