@@ -3,14 +3,18 @@
 On an Apple GPU a decode step is bound by reading the weights; a verify pass of M <= 16 tokens
 should cost about the same. MLX's stock ``quantized_matmul`` re-reads the weights per row or per
 5 rows below its ``qmv`` batch limit and switches to 32-row tiles above it (``docs/kernels.md``
-has the numbers). ``metal/quantized_verify.metal`` reads each weight once per call and keeps one
-accumulator per row, in an order that does not depend on M: a row of a verify pass is bit for bit
-that token's decode step when both go through the kernel.
+has the numbers), and it switches kernels with M, so a decode step and a verify row sum in
+different orders. Two kernels of ours read each weight once per call in an order that does not
+depend on M: ``metal/quantized_verify.metal`` keeps one accumulator per row,
+``metal/quantized_verify_tile.metal`` dequantizes a tile once and multiplies every row (padded to
+8 or 16) through simdgroup matrices. A row of a verify pass is bit for bit that token's decode
+step when both go through the same kernel (the tile's under assumption H, ``docs/kernels.md``).
 
-Three pieces: the kernel's launch and its pure-MLX reference (``quantized_verify_reference``); the
-choice per shape between the kernel and stock (``QuantizedMatmuls``, measured by ``tune``, cached
-per device under ``$DFLASH_MLX_HOME``); and the layers that ask it (``QuantizedLinear``,
-``QuantizedEmbedding``: MLX's own, routed). Off Metal nothing is routed and nothing changes.
+Three pieces: the kernels' launch and their pure-MLX reference (``quantized_verify_reference``);
+the choice per shape of one implementation for every row count (``QuantizedMatmuls``, measured by
+``tune``, cached per device under ``$DFLASH_MLX_HOME``); and the layers that ask it
+(``QuantizedLinear``, ``QuantizedEmbedding``: MLX's own, routed). Off Metal nothing is routed and
+nothing changes.
 """
 
 from __future__ import annotations

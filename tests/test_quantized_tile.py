@@ -33,25 +33,28 @@ def run(metal, x, w, scales, biases, mode, bits, group_size, rows=None):
 @pytest.mark.parametrize("form", FORMS, ids=lambda f: f"{f[0]}{f[1]}-gs{f[2]}")
 def test_tile_rows_equal_the_reference_and_the_row_computed_alone(form, dtype):
     """Every form, dtype and M = 1..16, the two serial thread schedules taking turns: every row
-    within rounding of the reference, and bit for bit the same row computed alone (a decode step:
-    one row padded to a tile of 8) and beside other companion rows, also when it sits in the second
-    8-row tile. K is 12 steps of 32 (every group size divides it); N = 41 spans a full threadgroup
-    of 32 columns and a partial one, a partial simdgroup of 8 columns included."""
+    of random x within rounding of the reference; and on cancelling rows (each output the rounding
+    error of its own summation order, so any change of order shows even in 16 bits), every row bit
+    for bit the same row computed alone (a decode step: one row padded to a tile of 8) and beside
+    random companion rows, also when it sits in the second 8-row tile. K is 16 steps of 32 (every
+    group size divides its halves); N = 41 spans a full threadgroup of 32 columns and a partial
+    one, a partial simdgroup of 8 columns included."""
     mode, bits, group_size = form
     seed = 500 + FORMS.index(form) * 10 + ALL_DTYPES.index(dtype)
-    K, N = 384, 41
-    x, w, scales, biases = layer(seed, K, N, mode, bits, group_size, dtype)
-    other, *_ = layer(seed + 100, K, N, mode, bits, group_size, dtype)
+    K, N = 512, 41
+    x, cancelling, w, scales, biases = quantized.cancelling_layer(16, K, N, bits, group_size, mode, dtype, seed=seed)
     metals = [emulated(schedule=LOWEST_FIRST), emulated(schedule=HIGHEST_FIRST)]
-    alone = [exact(run(metals[r % 2], x[r : r + 1], w, scales, biases, mode, bits, group_size)[0]) for r in range(16)]
+    alone = [exact(run(metals[r % 2], cancelling[r : r + 1], w, scales, biases, mode, bits, group_size)[0])
+             for r in range(16)]
     for M in range(1, 17):
         got = run(metals[M % 2], x[:M], w, scales, biases, mode, bits, group_size)
         assert got.shape == (M, N) and got.dtype == dtype
         assert_matches_reference(got, x[:M], w, scales, biases, mode, bits, group_size)
-        for r, row in enumerate(exact(got)):
+        rows = exact(run(metals[(M + 1) % 2], cancelling[:M], w, scales, biases, mode, bits, group_size))
+        for r, row in enumerate(rows):
             np.testing.assert_array_equal(row, alone[r], err_msg=f"row {r} of an {M}-row call")
-        mixed = mx.concatenate([other[: M - 1], x[M - 1 : M]])  # row M-1 beside other companions
-        np.testing.assert_array_equal(exact(run(metals[(M + 1) % 2], mixed, w, scales, biases, mode, bits, group_size)[M - 1]),
+        mixed = mx.concatenate([x[: M - 1], cancelling[M - 1 : M]])  # row M-1 beside other companions
+        np.testing.assert_array_equal(exact(run(metals[M % 2], mixed, w, scales, biases, mode, bits, group_size)[M - 1]),
                                       alone[M - 1])
 
 

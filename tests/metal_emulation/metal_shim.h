@@ -94,7 +94,7 @@ struct simdgroup_matrix {
   simdgroup_matrix(T diagonal);
 };
 typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
-template <typename T, int Cols, int Rows>
+template <typename T, int Cols, int Rows = Cols>
 simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(T value);
 template <typename Matrix, typename Pointer>
 void simdgroup_load(Matrix& d, Pointer src, ulong elements_per_row = 8, ulong2 matrix_origin = ulong2(0, 0),
@@ -189,7 +189,7 @@ struct simdgroup_matrix {
 };
 typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
 
-template <typename T, int Cols, int Rows>
+template <typename T, int Cols, int Rows = Cols>
 simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(T value) {
   simdgroup_matrix<T, Cols, Rows> m;
   for (int r = 0; r < Rows; ++r)
