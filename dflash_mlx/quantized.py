@@ -359,7 +359,7 @@ MARGIN = 0.05
 
 
 def batch_time(which: str, fn: Callable[[], mx.array], calls: int = 16, repeats: int = 5, warmup: int = 2) -> float:
-    """Seconds per call of ``fn`` (``which``: "stock" or "kernel"), from batches of ``calls`` calls
+    """Seconds per call of ``fn`` (``which``: "stock", "kernel" or "tile"), from batches of ``calls`` calls
     evaluated together: each call's CPU cost (a kernel dispatched from Python) counts, one
     synchronisation's round trip is shared by the batch. The median batch of ``repeats``."""
     for _ in range(warmup):
