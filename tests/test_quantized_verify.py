@@ -4,7 +4,6 @@ the per-shape choice (``QuantizedMatmuls``, the tuner and its cache)."""
 
 from __future__ import annotations
 
-import json
 import warnings
 
 import mlx.core as mx
