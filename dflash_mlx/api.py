@@ -66,10 +66,11 @@ class DFlashModel:
 
     def use_quantized_matmuls(self, matmuls: Optional[quantized.QuantizedMatmuls],
                               cache: Optional[quantized.TuningCache] = None, everything: bool = False,
-                              measure=quantized.wall_time, progress=None) -> List[quantized.Timing]:
+                              measure=quantized.wall_time, progress=None, stock_one=None) -> List[quantized.Timing]:
         """Route the pair's quantized layers through ``matmuls`` and time the shapes ``cache`` has
-        no measurement for (all of them with ``everything``): the kernel runs only where it
-        measured faster. Returns the new timings."""
+        no measurement for (all of them with ``everything``), each choosing one implementation for
+        every row count (``quantized.Timing.choice``; ``stock_one``: where stock is one
+        row-independent kernel, this GPU's rule by default). Returns the new timings."""
         self.matmuls = matmuls
         models = [m for m in (self.target, self.draft) if m is not None]
         for m in models:
@@ -77,7 +78,8 @@ class DFlashModel:
         if matmuls is None:
             return []
         cache = cache or quantized.TuningCache.for_this_device()
-        return quantized.tune_pair(matmuls, models, cache, everything=everything, measure=measure, progress=progress)
+        return quantized.tune_pair(matmuls, models, cache, everything=everything, measure=measure, progress=progress,
+                                   stock_one=stock_one)
 
 
 @dataclass

@@ -645,7 +645,7 @@ def doctor(
     context: Annotated[int, typer.Option("--context", help="Context length (prompt + answer tokens) to size the caches for.")] = 8192,
     memory_gb: Annotated[Optional[float], typer.Option("--memory-gb", help="Memory to fit in, in GiB (default: MLX's recommended working set on a Mac, total memory elsewhere).")] = None,
     probe_tokens: Annotated[int, typer.Option("--probe-tokens", help="With a draft: tokens generated in each thinking mode to compare acceptance (0 = skip).")] = 48,
-    tune: Annotated[bool, typer.Option("--tune", help="With --model: time MLX's stock quantized matmul against the verify kernel for every quantized matmul shape of the pair at 1..16 rows, print the table and keep the faster one per shape (saved under $DFLASH_MLX_HOME; the first load of a pair on a GPU does this for shapes it has not seen). Off an Apple GPU there is nothing to tune.")] = False,
+    tune: Annotated[bool, typer.Option("--tune", help="With --model: time MLX's stock quantized matmul against the verify kernels (per-row and tile) for every quantized matmul shape of the pair at 1..16 rows, print the table and keep one per shape for every row count (stock only where MLX runs one row-independent kernel at every row count on this GPU; saved under $DFLASH_MLX_HOME; the first load of a pair on a GPU does this for shapes it has not seen). Off an Apple GPU there is nothing to tune.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
     ranks: Annotated[int, typer.Option("--ranks", help="With --model: the memory of each rank of the target pipelined over this many machines (mlx.launch), each against this machine's budget.")] = 1,
     stages: Stages = None,

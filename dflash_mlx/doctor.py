@@ -328,9 +328,11 @@ def _probe_thinking(report: Report, model: str, draft: Optional[str], draft_quan
         report.add("thinking mode", OK, detail)
 
 
-def _tune(report: Report, model: str, draft: Optional[str], draft_quant: Optional[str], matmuls, cache, measure) -> None:
-    """Time stock quantized_matmul against the verify kernel for every shape of the pair (on its own
-    weights, at the row counts the tuner times) and choose per shape for every row count."""
+def _tune(report: Report, model: str, draft: Optional[str], draft_quant: Optional[str], matmuls, cache, measure,
+          facts: device_lib.DeviceFacts) -> None:
+    """Time stock quantized_matmul against the verify kernels (per-row and tile) for every shape of
+    the pair (on its own weights, at the row counts the tuner times) and choose per shape for every
+    row count (stock only where it is one row-independent kernel at every row count on this GPU)."""
     from . import api, quantized
 
     if matmuls is None:
@@ -341,18 +343,21 @@ def _tune(report: Report, model: str, draft: Optional[str], draft_quant: Optiona
         return
     loaded, _ = api.load(model, draft=draft, draft_quant=draft_quant, matmuls=None)
     with api.TuningProgress() as progress:
-        report.tuning = loaded.use_quantized_matmuls(matmuls, cache, everything=True, measure=measure, progress=progress)
+        report.tuning = loaded.use_quantized_matmuls(matmuls, cache, everything=True, measure=measure, progress=progress,
+                                                     stock_one=quantized.stock_rule(facts))
     if not report.tuning:
         report.add("quantized matmuls", INFO, "nothing to tune: the pair has no quantized layer the kernel has a form "
                    "for (affine 4/8-bit or mxfp4)", "quantize the draft (--draft-quant w4) or use a 4-bit target")
         return
-    ours = sum(t.choice == quantized.OURS for t in report.tuning)
-    failed = [t for t in report.tuning if t.kernel_s is None]
+    count = {impl: sum(t.choice == impl for t in report.tuning) for impl in (quantized.OURS, quantized.TILE, quantized.STOCK)}
+    failed = [t for t in report.tuning if t.kernel_s is None or t.tile_s is None]
     where = cache.path if cache is not None else quantized.TuningCache.for_this_device().path
     report.add("quantized matmuls", FAIL if failed else OK,
-               f"the verify kernel is faster for {ours} of {len(report.tuning)} shapes (by {quantized.MARGIN:.0%} over "
-               f"the timed row counts; it then runs them at every row count, decode steps included, and their layers "
-               f"run uncompiled); stock runs the others (saved in {where})" + (f"; the kernel failed its self-check for {len(failed)}" if failed else ""),
+               f"of {len(report.tuning)} shapes, {count[quantized.OURS]} run the per-row verify kernel, "
+               f"{count[quantized.TILE]} the tile kernel and {count[quantized.STOCK]} stock, each at every row count "
+               f"(decode steps included; stock only where it is one row-independent kernel at every row count on this "
+               f"GPU and ours is not {quantized.MARGIN:.0%} faster; layers with a kernel run uncompiled; saved in {where})"
+               + (f"; a kernel failed its self-check for {len(failed)}" if failed else ""),
                "please report this with `dflash-mlx doctor --tune` output" if failed else "")
 
 
@@ -438,7 +443,7 @@ def diagnose(model: Optional[str] = None, draft: Optional[str] = None, draft_qua
     if tune and model is not None:
         from . import quantized
 
-        _tune(report, model, draft, draft_quant, matmuls, tuning_cache, measure or quantized.wall_time)
+        _tune(report, model, draft, draft_quant, matmuls, tuning_cache, measure or quantized.wall_time, facts)
     return report
 
 
@@ -461,6 +466,7 @@ def as_json(report: Report) -> Dict[str, Any]:
     from .quantized import per_rows_us
 
     tuning = [{"shape": t.shape.__dict__, "stock_us": per_rows_us(t.stock_s), "kernel_us": per_rows_us(t.kernel_s),
-               "choice": t.choice} for t in report.tuning]
+               "tile_us": per_rows_us(t.tile_s), "stock_one_kernel": t.stock_one, "choice": t.choice}
+              for t in report.tuning]
     return {"ok": not report.failed, "checks": [c.__dict__ for c in report.checks], "memory_bytes": report.memory,
             "tuning": tuning}

@@ -3,14 +3,18 @@
 On an Apple GPU a decode step is bound by reading the weights; a verify pass of M <= 16 tokens
 should cost about the same. MLX's stock ``quantized_matmul`` re-reads the weights per row or per
 5 rows below its ``qmv`` batch limit and switches to 32-row tiles above it (``docs/kernels.md``
-has the numbers). ``metal/quantized_verify.metal`` reads each weight once per call and keeps one
-accumulator per row, in an order that does not depend on M: a row of a verify pass is bit for bit
-that token's decode step when both go through the kernel.
+has the numbers), and it switches kernels with M, so a decode step and a verify row sum in
+different orders. Two kernels of ours read each weight once per call in an order that does not
+depend on M: ``metal/quantized_verify.metal`` keeps one accumulator per row,
+``metal/quantized_verify_tile.metal`` dequantizes a tile once and multiplies every row (padded to
+8 or 16) through simdgroup matrices. A row of a verify pass is bit for bit that token's decode
+step when both go through the same kernel (the tile's under assumption H, ``docs/kernels.md``).
 
-Three pieces: the kernel's launch and its pure-MLX reference (``quantized_verify_reference``); the
-choice per shape between the kernel and stock (``QuantizedMatmuls``, measured by ``tune``, cached
-per device under ``$DFLASH_MLX_HOME``); and the layers that ask it (``QuantizedLinear``,
-``QuantizedEmbedding``: MLX's own, routed). Off Metal nothing is routed and nothing changes.
+Three pieces: the kernels' launch and their pure-MLX reference (``quantized_verify_reference``);
+the choice per shape of one implementation for every row count (``QuantizedMatmuls``, measured by
+``tune``, cached per device under ``$DFLASH_MLX_HOME``); and the layers that ask it
+(``QuantizedLinear``, ``QuantizedEmbedding``: MLX's own, routed). Off Metal nothing is routed and
+nothing changes.
 """
 
 from __future__ import annotations
@@ -28,23 +32,31 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from . import kernels
+from . import kernels, traffic
 from .paths import home
 
 MAX_ROWS = 16
-ROW_BUCKETS = (1, 2, 4, 8, 16)  # the kernel's accumulator counts (template Rows); M rounds up
-COLUMNS = 4  # output columns per simdgroup (the kernel's `columns`)
-THREADGROUP = (32, 4, 1)  # four simdgroups (16 columns) share each staged slice of x
+ROW_BUCKETS = (1, 2, 4, 8, 16)  # the per-row kernel's accumulator counts (template Rows); M rounds up
+TILE_ROWS = (8, 16)  # the tile kernel's rows: one or two 8-row simdgroup-matrix tiles, padded with zeros
+COLUMNS = 4  # output columns per simdgroup (the per-row kernel's `columns`)
+TILE_COLUMNS = 32  # output columns per threadgroup of the tile kernel (8 per simdgroup)
+THREADGROUP = (32, 4, 1)  # four simdgroups share each staged slice of x (both kernels)
 KERNEL = "quantized_verify"
+TILE_KERNEL = "quantized_verify_tile"
 MODES = {"affine": 0, "mxfp4": 1}
 KERNEL_BITS = {"affine": (4, 8), "mxfp4": (4,)}
 KERNEL_GROUPS = {"affine": (32, 64, 128), "mxfp4": (32,)}
-STOCK, OURS = "stock", "kernel"
+# The implementations a layer can run (one for every row count 1..16): MLX's stock
+# quantized_matmul, the per-row kernel, the simdgroup-matrix tile kernel.
+STOCK, OURS, TILE = "stock", "kernel", "tile"
+KERNEL_OF = {OURS: KERNEL, TILE: TILE_KERNEL}
+IMPLEMENTATION_OF = {name: impl for impl, name in KERNEL_OF.items()}
+BUCKETS = {OURS: ROW_BUCKETS, TILE: TILE_ROWS}
 
 
-def rows_bucket(rows: int) -> int:
-    """The smallest accumulator count that holds ``rows`` (1..16)."""
-    for bucket in ROW_BUCKETS:
+def rows_bucket(rows: int, impl: str = OURS) -> int:
+    """The smallest row count of ``impl``'s specializations that holds ``rows`` (1..16)."""
+    for bucket in BUCKETS[impl]:
         if rows <= bucket:
             return bucket
     raise ValueError(f"the verify kernel takes at most {MAX_ROWS} rows (got {rows})")
@@ -56,9 +68,10 @@ def kernel_supports(bits: int, group_size: int, mode: str) -> bool:
 
 def quantized_verify_launch(x: mx.array, w: mx.array, scales: mx.array, biases: Optional[mx.array],
                             group_size: int, bits: int, mode: str = "affine",
-                            rows: Optional[int] = None) -> kernels.Launch:
-    """One call for ``x`` [M, K] (M <= 16) against packed ``w`` [N, K*bits/32]. ``rows`` forces
-    the accumulator count (tests: a row's result may not depend on it)."""
+                            rows: Optional[int] = None, impl: str = OURS) -> kernels.Launch:
+    """One call for ``x`` [M, K] (M <= 16) against packed ``w`` [N, K*bits/32], through the
+    per-row kernel (``impl`` OURS) or the tile kernel (TILE). ``rows`` forces the accumulator
+    count, or the padded rows of the tile (tests: a row's result may not depend on it)."""
     M, K = x.shape
     N = w.shape[0]
     if not kernel_supports(bits, group_size, mode):
@@ -67,13 +80,15 @@ def quantized_verify_launch(x: mx.array, w: mx.array, scales: mx.array, biases: 
         raise ValueError(f"weights [{N}, {w.shape[1]}] at {bits} bits do not hold K={K} in groups of {group_size}")
     if biases is None:  # mxfp4 has none; one placeholder element keeps a single signature
         biases = mx.zeros((1,), dtype=mx.float32)
-    bucket = rows or rows_bucket(M)
-    if not M <= bucket <= MAX_ROWS:
-        raise ValueError(f"rows={bucket} cannot hold M={M} (at most {MAX_ROWS})")
+    bucket = rows or rows_bucket(M, impl)
+    if not M <= bucket <= MAX_ROWS or bucket not in BUCKETS[impl]:
+        raise ValueError(f"rows={bucket} cannot hold M={M} in the {impl} (rows {BUCKETS[impl]}, at most {MAX_ROWS})")
     template = (("OutT", x.dtype), ("Rows", bucket), ("bits", bits), ("group_size", group_size), ("Mode", MODES[mode]))
+    # per-row: one simdgroup per 4 columns; tile: four simdgroups per 32 columns, whole threadgroups
+    grid = (32, -(-N // COLUMNS), 1) if impl == OURS else (32, 4 * -(-N // TILE_COLUMNS), 1)
     return kernels.Launch(
-        KERNEL, (x, w, scales, biases, M, K, N), template,
-        grid=(32, -(-N // COLUMNS), 1), output_shapes=((M, N),), output_dtypes=(x.dtype,), threadgroup=THREADGROUP,
+        KERNEL_OF[impl], (x, w, scales, biases, M, K, N), template,
+        grid=grid, output_shapes=((M, N),), output_dtypes=(x.dtype,), threadgroup=THREADGROUP,
     )
 
 
@@ -114,8 +129,10 @@ def _check_quantized(metal: kernels.MetalKernels, launch: kernels.Launch) -> Opt
     """On a small random layer (three steps of K), in the call's signature (dtypes and address
     spaces: the call's own K and N where a small layer puts some input in the ``constant`` space):
     every row within float tolerance of the reference; and on cancelling rows
-    (``cancelling_layer``), the last row bit for bit the same row computed alone (a one-row call),
-    which is what keeps verify equal to decode."""
+    (``cancelling_layer``), the last row bit for bit the same row computed alone (a one-row call:
+    one accumulator, or the tile padded from one row), which is what keeps verify equal to decode.
+    For either kernel (the launch's name says which)."""
+    impl = IMPLEMENTATION_OF[launch.name]
     template = dict(launch.template)
     dtype, rows, bits, group_size = template["OutT"], template["Rows"], template["bits"], template["group_size"]
     mode = next(m for m, code in MODES.items() if code == template["Mode"])
@@ -123,7 +140,7 @@ def _check_quantized(metal: kernels.MetalKernels, launch: kernels.Launch) -> Opt
     seed = rows * 1000 + bits * 10 + group_size
     for K, N in ((768, 2 * COLUMNS + 1), (launch.inputs[5], launch.inputs[6])):
         x, cancelling, w, scales, bias = cancelling_layer(rows, K, N, bits, group_size, mode, dtype, seed, scale_dtype)
-        call = quantized_verify_launch(x, w, scales, bias, group_size, bits, mode, rows=rows)
+        call = quantized_verify_launch(x, w, scales, bias, group_size, bits, mode, rows=rows, impl=impl)
         if call.signature == launch.signature:
             break
     else:
@@ -134,8 +151,8 @@ def _check_quantized(metal: kernels.MetalKernels, launch: kernels.Launch) -> Opt
     if not mx.allclose(y.astype(mx.float32), want.astype(mx.float32), atol=tolerance * math.sqrt(K), rtol=tolerance).item():
         return f"its output differs from the reference (M={rows}, K={K}, N={N})"
     if rows > 1:
-        (y,) = metal.run(quantized_verify_launch(cancelling, w, scales, bias, group_size, bits, mode, rows=rows))
-        (alone,) = metal.run(quantized_verify_launch(cancelling[-1:], w, scales, bias, group_size, bits, mode, rows=1))
+        (y,) = metal.run(quantized_verify_launch(cancelling, w, scales, bias, group_size, bits, mode, rows=rows, impl=impl))
+        (alone,) = metal.run(quantized_verify_launch(cancelling[-1:], w, scales, bias, group_size, bits, mode, impl=impl))
         if not mx.array_equal(alone[0], y[-1]).item():
             return f"row {rows - 1} of a {rows}-row call differs from the same row computed alone"
     return None
@@ -163,22 +180,23 @@ def dtype_name(dtype: mx.Dtype) -> str:
 
 
 def form_usable(metal: kernels.MetalKernels, dtype: mx.Dtype, w: mx.array, scales: mx.array, biases: Optional[mx.array],
-                group_size: int, bits: int, mode: str) -> bool:
-    """Whether the kernel may run this layer (its arrays, activations of ``dtype``) at every row
-    count: each accumulator count (1, 2, 4, 8, 16) passed its self-check in the signature the
-    layer's calls have. One failing makes the layer stock at every row count, so that no layer runs
-    the kernel at some row counts and stock at others."""
+                group_size: int, bits: int, mode: str, impl: str = OURS) -> bool:
+    """Whether ``impl``'s kernel may run this layer (its arrays, activations of ``dtype``) at
+    every row count: each of its specializations (the per-row kernel's accumulator counts 1, 2, 4,
+    8, 16; the tile's 8 and 16 rows) passed its self-check in the signature the layer's calls have.
+    One failing makes the layer stock at every row count, so that no layer runs a kernel at some
+    row counts and stock at others."""
     K = w.shape[1] * 32 // bits
     return all(metal.usable(quantized_verify_launch(mx.zeros((rows, K), dtype=dtype), w, scales, biases, group_size, bits,
-                                                    mode), _check_quantized) for rows in ROW_BUCKETS)
+                                                    mode, impl=impl), _check_quantized) for rows in BUCKETS[impl])
 
 
 class QuantizedMatmuls:
     """Which implementation each quantized layer shape uses in this process, for every row count
-    1..16 alike: ``kernel`` where the tuner measured ours faster than stock by its margin over the
-    row counts it timed (or ``choices`` say so), stock everywhere else (shapes and modes the kernel
-    has no form for, forms that failed a self-check). Calls of more than 16 rows (prefill chunks)
-    run stock whatever the choice.
+    1..16 alike: ``kernel`` (per-row) or ``tile`` where the tuner chose it (``Timing.choice``; or
+    ``choices`` say so), stock everywhere else (shapes and modes the kernels have no form for,
+    forms that failed a self-check). Calls of more than 16 rows (prefill chunks) run stock
+    whatever the choice.
     """
 
     def __init__(self, metal: kernels.MetalKernels, choices: Optional[Dict[MatmulShape, str]] = None):
@@ -196,21 +214,22 @@ class QuantizedMatmuls:
         return cls(kernels.process_metal_kernels(), TuningCache.for_this_device().choices())
 
     def chosen(self, shape: MatmulShape) -> bool:
-        return self.choices.get(shape) == OURS
+        return self.choices.get(shape) in KERNEL_OF
 
     def matmul(self, x: mx.array, w, scales, biases, group_size: int, bits: int, mode: str,
                always: bool = False) -> Optional[mx.array]:
-        """``x @ dequant(w).T`` through the kernel, or None where stock should run (``always``:
-        the kernel whatever the tuner measured, wherever it has a form and passed its self-checks)."""
+        """``x @ dequant(w).T`` through the layer's kernel, or None where stock should run
+        (``always``: a kernel whatever the tuner measured, the per-row one unless the tile was
+        chosen, wherever it has a form and passed its self-checks)."""
         K = x.shape[-1]
         rows = x.size // K if K else 0
         if not 1 <= rows <= MAX_ROWS or not kernel_supports(bits, group_size, mode):
             return None
-        if not always and not self.chosen(MatmulShape(K, w.shape[0], bits, group_size, mode, dtype_name(x.dtype))):
+        choice = self.choices.get(MatmulShape(K, w.shape[0], bits, group_size, mode, dtype_name(x.dtype)))
+        impl = choice if choice in KERNEL_OF else OURS if always else None
+        if impl is None or not form_usable(self.metal, x.dtype, w, scales, biases, group_size, bits, mode, impl):
             return None
-        if not form_usable(self.metal, x.dtype, w, scales, biases, group_size, bits, mode):
-            return None
-        launch = quantized_verify_launch(x.reshape(rows, K), w, scales, biases, group_size, bits, mode)
+        launch = quantized_verify_launch(x.reshape(rows, K), w, scales, biases, group_size, bits, mode, impl=impl)
         return self.metal.run(launch)[0].reshape(*x.shape[:-1], w.shape[0])
 
 
@@ -223,7 +242,7 @@ class _Routed:
         self.group_size, self.bits, self.mode = layer.group_size, layer.bits, layer.mode
         dict.update(self, layer.items())  # the same arrays: weight, scales, biases, bias
         self.freeze()
-        object.__setattr__(self, "matmuls", matmuls)  # a plain attribute, not a parameter
+        self.matmuls = matmuls  # not an array, list or dict: a plain attribute, not a parameter
 
     def _through_kernel(self, x: mx.array, always: bool = False) -> Optional[mx.array]:
         if self.matmuls is None:
@@ -274,7 +293,7 @@ def route(model: nn.Module, matmuls: Optional[QuantizedMatmuls]) -> int:
     routed = []
     for path, module in model.named_modules():
         if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
-            object.__setattr__(module, "matmuls", matmuls)
+            module.matmuls = matmuls
         elif isinstance(module, nn.QuantizedLinear):
             routed.append((path, QuantizedLinear(module, matmuls)))
         elif isinstance(module, nn.QuantizedEmbedding):
@@ -289,7 +308,7 @@ def route_layers(model: nn.Module, layers, matmuls: Optional[QuantizedMatmuls]) 
     (a layer's ``eager`` attribute: the layer then runs uncompiled)."""
     route(model, matmuls)
     for layer in layers:
-        object.__setattr__(layer, "eager", routes_to_metal(layer))
+        layer.eager = routes_to_metal(layer)
 
 
 def _shape(layer: nn.Module, dtype: Optional[mx.Dtype] = None) -> MatmulShape:
@@ -333,13 +352,14 @@ def shapes_of(models: Iterable[nn.Module], dtype: Optional[mx.Dtype] = None) -> 
 
 # The row counts the tuner times (the largest of each accumulator count): one decision for 1..16.
 TUNED_ROWS = (1, 2, 4, 8, 16)
-# The kernel runs a shape only if it is this much faster than stock over the timed row counts
-# (its layer then runs uncompiled, and timings carry noise).
+# Where stock is one row-independent kernel for every row count, a kernel of ours runs a shape only
+# if it is this much faster than stock over the timed row counts (its layer then runs uncompiled,
+# and timings carry noise).
 MARGIN = 0.05
 
 
 def batch_time(which: str, fn: Callable[[], mx.array], calls: int = 16, repeats: int = 5, warmup: int = 2) -> float:
-    """Seconds per call of ``fn`` (``which``: "stock" or "kernel"), from batches of ``calls`` calls
+    """Seconds per call of ``fn`` (``which``: "stock", "kernel" or "tile"), from batches of ``calls`` calls
     evaluated together: each call's CPU cost (a kernel dispatched from Python) counts, one
     synchronisation's round trip is shared by the batch. The median batch of ``repeats``."""
     for _ in range(warmup):
@@ -357,42 +377,75 @@ wall_time = batch_time  # the name callers used
 
 @dataclass
 class Timing:
+    """A shape's measured seconds per call by rows, and the implementation it runs at every row
+    count (``choice``)."""
+
     shape: MatmulShape
     stock_s: Dict[int, float]  # seconds per call, by rows
-    kernel_s: Optional[Dict[int, float]]  # None: the kernel failed a self-check for this form
+    kernel_s: Optional[Dict[int, float]]  # the per-row kernel; None: it failed a self-check for this form
+    tile_s: Optional[Dict[int, float]] = None  # the tile kernel; None: failed, or not timed
+    # The stock kernel where one row-independent stock kernel runs this shape at every M = 1..16 on
+    # this GPU (traffic.stock_one_kernel), else None: stock would round a decode step and a verify
+    # block differently.
+    stock_one: Optional[str] = None
 
     @property
     def choice(self) -> str:
-        if self.kernel_s is None:
+        """The faster of our kernels over the timed row counts (the per-row one on a tie). Stock
+        only where no kernel of ours passed its self-checks, or where stock is one row-independent
+        kernel at every row count and ours is not ``MARGIN`` faster: where stock switches kernels
+        across row counts it is not an option, whatever the timings."""
+        ours = {impl: sum(times.values()) for impl, times in ((OURS, self.kernel_s), (TILE, self.tile_s)) if times}
+        if not ours:
             return STOCK
-        return OURS if sum(self.kernel_s.values()) <= (1 - MARGIN) * sum(self.stock_s.values()) else STOCK
+        best = min(ours, key=ours.get)
+        if self.stock_one is not None and ours[best] > (1 - MARGIN) * sum(self.stock_s.values()):
+            return STOCK
+        return best
 
 
 def _arrays(layer: nn.Module):
     return layer["weight"], layer["scales"], layer.get("biases")
 
 
+def stock_rule(facts=None) -> Callable[[MatmulShape], Optional[str]]:
+    """``traffic.stock_one_kernel`` for a GPU (``device.facts()``, this one by default: its
+    generation; an Ultra's architecture ends in ``d``), shape by shape; off Apple GPUs every shape
+    gets None."""
+    from . import device
+
+    facts = facts or device.facts()
+    ultra = facts.architecture.endswith("d")
+    return lambda s: traffic.stock_one_kernel(s.K, s.N, s.bits, s.mode, facts.generation, ultra)
+
+
 def tune(metal: kernels.MetalKernels, layers, measure: Callable[[str, Callable[[], mx.array]], float] = batch_time,
-         progress: Optional[Callable[[int, int], None]] = None, rows: Iterable[int] = TUNED_ROWS) -> List[Timing]:
-    """Times stock ``mx.quantized_matmul`` against the kernel for each shape at each of ``rows``,
-    on the layer's own weights (``layers``: shape -> layer, as ``layers_of`` gives; x is random),
-    and decides per shape for every row count at once (``Timing.choice``)."""
+         progress: Optional[Callable[[int, int], None]] = None, rows: Iterable[int] = TUNED_ROWS,
+         stock_one: Optional[Callable[[MatmulShape], Optional[str]]] = None) -> List[Timing]:
+    """Times stock ``mx.quantized_matmul``, the per-row kernel and the tile kernel for each shape
+    at each of ``rows``, on the layer's own weights (``layers``: shape -> layer, as ``layers_of``
+    gives; x is random), and decides per shape for every row count at once (``Timing.choice``;
+    ``stock_one`` says where stock is one row-independent kernel, this GPU's rule by default)."""
     layers = dict(layers)
     rows = list(rows)
+    stock_one = stock_one or stock_rule()
     timings = []
     for i, (shape, layer) in enumerate(layers.items()):
         w, scales, biases = _arrays(layer)
         dtype = getattr(mx, shape.dtype)
-        usable = form_usable(metal, dtype, w, scales, biases, shape.group_size, shape.bits, shape.mode)
-        stock, ours = {}, ({} if usable else None)
+        times: Dict[str, Optional[Dict[int, float]]] = {STOCK: {}}
+        for impl in KERNEL_OF:
+            usable = form_usable(metal, dtype, w, scales, biases, shape.group_size, shape.bits, shape.mode, impl)
+            times[impl] = {} if usable else None
         for M in rows:
             x = mx.random.normal((M, shape.K), key=mx.random.key(M)).astype(dtype)
-            stock[M] = measure(STOCK, lambda: mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=shape.group_size,
-                                                                bits=shape.bits, mode=shape.mode))
-            if usable:
-                launch = quantized_verify_launch(x, w, scales, biases, shape.group_size, shape.bits, shape.mode)
-                ours[M] = measure(OURS, lambda: metal.run(launch)[0])
-        timings.append(Timing(shape, stock, ours))
+            times[STOCK][M] = measure(STOCK, lambda: mx.quantized_matmul(
+                x, w, scales, biases, transpose=True, group_size=shape.group_size, bits=shape.bits, mode=shape.mode))
+            for impl in KERNEL_OF:
+                if times[impl] is not None:
+                    launch = quantized_verify_launch(x, w, scales, biases, shape.group_size, shape.bits, shape.mode, impl=impl)
+                    times[impl][M] = measure(impl, lambda: metal.run(launch)[0])
+        timings.append(Timing(shape, times[STOCK], times[OURS], times[TILE], stock_one(shape)))
         if progress is not None:
             progress(i + 1, len(layers))
     return timings
@@ -403,8 +456,9 @@ def device_id() -> str:
     from . import device
 
     facts = device.facts()
-    source = hashlib.sha256(kernels.kernel_source(KERNEL).encode()).hexdigest()[:12]
-    return f"{facts.name} | {facts.architecture} | mlx {mx.__version__} | {KERNEL} {source}"
+    sources = " | ".join(f"{name} {hashlib.sha256(kernels.kernel_source(name).encode()).hexdigest()[:12]}"
+                         for name in KERNEL_OF.values())
+    return f"{facts.name} | {facts.architecture} | mlx {mx.__version__} | {sources}"
 
 
 def per_rows_us(times: Optional[Dict[int, float]]) -> Optional[Dict[str, float]]:
@@ -433,7 +487,8 @@ class TuningCache:
     def record(self, timings: Iterable[Timing]) -> None:
         for t in timings:
             self.entries[t.shape.key()] = {"shape": t.shape.__dict__, "stock_us": per_rows_us(t.stock_s),
-                                           "kernel_us": per_rows_us(t.kernel_s), "choice": t.choice}
+                                           "kernel_us": per_rows_us(t.kernel_s), "tile_us": per_rows_us(t.tile_s),
+                                           "stock_one_kernel": t.stock_one, "choice": t.choice}
         try:
             everything = json.loads(self.path.read_text())
         except (OSError, ValueError):
@@ -456,14 +511,14 @@ class TuningCache:
 
 
 def tune_pair(matmuls: QuantizedMatmuls, models: Iterable[nn.Module], cache: TuningCache, everything: bool = False,
-              measure=batch_time, progress=None) -> List[Timing]:
+              measure=batch_time, progress=None, stock_one=None) -> List[Timing]:
     """Times the pair's shapes the cache lacks (all of them with ``everything``), records them,
     makes ``matmuls`` use the results, and routes the models again so that only the layers whose
     kernel won run uncompiled. Returns the new timings."""
     models = list(models)
     layers = layers_of(models)
     todo = layers if everything else {s: layers[s] for s in cache.missing(layers)}
-    timings = tune(matmuls.metal, todo, measure, progress) if todo else []
+    timings = tune(matmuls.metal, todo, measure, progress, stock_one=stock_one) if todo else []
     if timings:
         cache.record(timings)
     matmuls.choices.update(cache.choices())
@@ -476,15 +531,17 @@ def tune_pair(matmuls: QuantizedMatmuls, models: Iterable[nn.Module], cache: Tun
 
 
 def render_timings(timings: Iterable[Timing]) -> List[str]:
-    """The tuner's table: one line per shape, stock / kernel microseconds per call at each timed
-    row count, the choice (for every row count)."""
+    """The tuner's table: one line per shape, stock / per-row kernel / tile microseconds per call
+    at each timed row count, whether stock is one row-independent kernel here, the choice (for
+    every row count)."""
     timings = list(timings)
     rows = sorted({m for t in timings for m in t.stock_s})
-    lines = [f"{'shape':<36} " + " ".join(f"{'M=' + str(m) + ' stock/kernel':>19}" for m in rows) + "  choice"]
+    lines = [f"{'shape':<36} " + " ".join(f"{'M=' + str(m) + ' stock/kernel/tile':>26}" for m in rows)
+             + "  stock one kernel  choice"]
     for t in timings:
         cells = []
         for m in rows:
-            kernel = "failed" if t.kernel_s is None else f"{t.kernel_s[m] * 1e6:.1f}"
-            cells.append(f"{t.stock_s[m] * 1e6:.1f}/{kernel}".rjust(19))
-        lines.append(f"{t.shape.key():<36} " + " ".join(cells) + f"  {t.choice}")
+            kernel, tile = ("failed" if times is None else f"{times[m] * 1e6:.1f}" for times in (t.kernel_s, t.tile_s))
+            cells.append(f"{t.stock_s[m] * 1e6:.1f}/{kernel}/{tile}".rjust(26))
+        lines.append(f"{t.shape.key():<36} " + " ".join(cells) + f"  {str(t.stock_one or 'no'):>16}  {t.choice}")
     return lines

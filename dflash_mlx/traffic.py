@@ -54,6 +54,40 @@ def stock_reads(M: int, K: int, N: int, generation: int, ultra: bool = False) ->
     return "qmv", M
 
 
+# Stock kernels that give each row of x its own threadgroups (grid (M, ...)): a row's result does
+# not depend on the rows beside it or on M.
+ROW_INDEPENDENT_STOCK = ("qmv", "qmv_quad")
+
+
+def stock_kernel(M: int, K: int, N: int, bits: int, mode: str, generation: int, ultra: bool = False) -> str:
+    """The Metal kernel MLX 0.32's ``quantized_matmul`` runs for M rows against transposed 2-D
+    weights [N, K] (``QuantizedMatmul::eval_gpu`` and ``dispatch_qmv`` in
+    ``mlx/backend/metal/quantized.cpp``): ``qmm`` (split-K or NAX variants included) from the
+    batch limit on; below it ``qmv_quad`` where K is 64 or 128 (power-of-two bits); else
+    ``qmv_wide`` from 2 rows where it is used (affine on generation 15+, other modes everywhere);
+    else ``qmv`` (``qmv_fast`` where the shape aligns: chosen by shape, not by M)."""
+    if M >= qmv_batch_limit(K, N, generation, ultra):
+        return "qmm"
+    if K in (64, 128) and bits & (bits - 1) == 0:
+        return "qmv_quad"
+    if M >= 2 and (mode != "affine" or generation >= 15):
+        return "qmv_wide"
+    return "qmv"
+
+
+def stock_one_kernel(K: int, N: int, bits: int, mode: str, generation: Optional[int], ultra: bool = False,
+                     rows: int = 16) -> Optional[str]:
+    """The stock kernel when one row-independent kernel runs a shape at every M = 1..``rows``
+    (then a verify row is bit for bit its decode step through stock too), else None: where stock
+    switches kernels across M (``qmv`` for a decode step, ``qmv_wide`` or ``qmm`` for a block) the
+    two sum in different orders. None off Apple GPUs (no generation)."""
+    if generation is None:
+        return None
+    kinds = {stock_kernel(M, K, N, bits, mode, generation, ultra) for M in range(1, rows + 1)}
+    kind = kinds.pop() if len(kinds) == 1 else None
+    return kind if kind in ROW_INDEPENDENT_STOCK else None
+
+
 @dataclass(frozen=True)
 class Matmul:
     name: str
@@ -228,6 +262,15 @@ TABLE_GPUS = ("M1", "M3 Pro", "M4 Max")  # one of each family in the cycle table
 # unquantized: gemv per row, gemm per 32-row tile.
 OURS_PER_ROW = 1.4375
 OURS_ONCE = {4: 4.625, 8: 4.75}
+# The tile kernel (metal/quantized_verify_tile.metal), per weight of one call: once, the
+# dequantization into threadgroup memory (shift, mask, convert, fma, store; word, scale and bias per
+# run of 8; 8-bit and mxfp4 one more per 8) and the load of B (64 elements per 64 weights); per
+# padded row (8 or 16), A's load (64 per 8 rows and 64 weights) and the 8x8x8 multiply-accumulate
+# (512 fma per 8 rows and 64 weights, issued at the fma rate on M1-M4), and the staging store of
+# x (one per element, 32 weights per element); per real row, x's load and convert.
+TILE_ONCE = {4: 5.625 + 1.0, 8: 5.75 + 1.0}
+TILE_PER_PADDED_ROW = 1.125 + 1 / 32
+TILE_PER_ROW = 2 / 32
 QMV_PER_ROW = 4.6
 QMV_WIDE_PER_TILE, QMV_WIDE_PER_ROW = 4.0, 3.0
 QMM_PER_TILE = 5.0 + 32.0
@@ -235,10 +278,17 @@ GEMV_PER_ROW, GEMM_PER_TILE = 1.25, 33.0
 CONTEXT = 4096  # keys attended to in the tables
 
 
+def tile_rows(M: int) -> int:
+    """The rows the tile kernel computes for M: padded to one or two 8-row tiles."""
+    return 8 if M <= 8 else 16
+
+
 def ops_per_weight(kernel: str, M: int, bits: int = 4, tiles: int = 1) -> float:
     """Lane operations per weight of one ``M``-row call of ``kernel`` (all rows together)."""
     if kernel == "ours":
         return OURS_PER_ROW * M + OURS_ONCE.get(bits, 4.75)
+    if kernel == "tile":
+        return TILE_ONCE.get(bits, TILE_ONCE[8]) + TILE_PER_PADDED_ROW * tile_rows(M) + TILE_PER_ROW * M
     if kernel == "qmv":
         return QMV_PER_ROW * M
     if kernel == "qmv_wide":
@@ -252,14 +302,16 @@ def ops_per_weight(kernel: str, M: int, bits: int = 4, tiles: int = 1) -> float:
     raise ValueError(kernel)
 
 
-def matmul_cost(m: Matmul, M: int, gpu: GPU, ours: bool) -> Tuple[str, float, float]:
-    """``(kernel, bytes, operations)`` of ``m``'s calls at ``M`` rows."""
+def matmul_cost(m: Matmul, M: int, gpu: GPU, ours) -> Tuple[str, float, float]:
+    """``(kernel, bytes, operations)`` of ``m``'s calls at ``M`` rows; ``ours``: False (stock),
+    True (the per-row kernel) or "tile" (the tile kernel)."""
     weights = m.K * m.N * m.count
     if m.bits >= 16:
         kind, tiles = ("gemv", 1) if M == 1 else ("gemm", math.ceil(M / 32))
         return kind, float(m.bytes * tiles), weights * ops_per_weight(kind, M, tiles=tiles)
     if ours and M <= 16 and m.bits in OURS_ONCE:
-        return "ours", float(m.bytes), weights * ops_per_weight("ours", M, m.bits)
+        kind = "tile" if ours == "tile" else "ours"
+        return kind, float(m.bytes), weights * ops_per_weight(kind, M, m.bits)
     kind, reads = stock_reads(M, m.K, m.N, gpu.generation)
     return kind, float(m.bytes * reads), weights * ops_per_weight(kind, M, m.bits, reads)
 
@@ -359,12 +411,13 @@ def cost_tables() -> List[str]:
     lines += ["", "Operations per weight of one call, all rows (4-bit; M3/M4 dispatch rules for a large shape):", "",
               "| kernel | M = 1 | 2 | 4 | 8 | 16 |", "|---|---:|---:|---:|---:|---:|"]
     big = Matmul("x", 4096, 12288, 1)
-    for label, ours in (("ours", True), ("stock (qmv / qmv_wide / qmm)", False)):
+    for label, ours in (("ours (per-row)", True), ("ours (tile)", "tile"), ("stock (qmv / qmv_wide / qmm)", False)):
         cells = []
         for M in (1, 2, 4, 8, 16):
             kind, _, ops = matmul_cost(big, M, gpu_named("M3 Pro"), ours)
             cells.append(f"{ops / (big.K * big.N):.1f}" + ("" if ours else f" {kind}"))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += [""] + tile_table()
     for name, c in (("9B", QWEN35_9B), ("35B-A3B", QWEN35_35B_A3B)):
         draft = draft_matmuls(*DRAFTS[name])
         lines += ["", f"**Qwen3.5-{name} 4-bit, w4 draft, {CONTEXT} tokens of context**: a cycle in decode steps of the "
@@ -378,6 +431,43 @@ def cost_tables() -> List[str]:
                 decode = pass_seconds(c, 1, gpu, ours) / pass_seconds(c, 1, gpu, False)
                 cells = [f"{cycle_steps(c, b, gpu, ours, draft):.2f}" for b in BLOCKS]
                 lines.append(f"| {gpu_name} | {'ours' if ours else 'stock'} | {decode:.2f} | " + " | ".join(cells) + " |")
+    return lines
+
+
+TILE_TABLE_ROWS = (1, 2, 4, 8, 12, 14, 15, 16)
+
+
+def tile_over_per_row(gpu: GPU, M: int, bits: int = 4) -> float:
+    """Modelled time of the tile kernel over the per-row kernel for one M-row call of a large
+    matmul (K 4096, N 12288) on ``gpu``: each the longer of its bytes and its operations."""
+    big = Matmul("x", 4096, 12288, 1, bits=bits)
+    tile, per_row = (seconds(*matmul_cost(big, M, gpu, ours)[1:], gpu) for ours in ("tile", True))
+    return tile / per_row
+
+
+def tile_faster_rows(gpu: GPU, bits: int = 4) -> List[int]:
+    """The row counts 1..16 at which the model has the tile kernel faster than the per-row one."""
+    return [M for M in range(1, 17) if tile_over_per_row(gpu, M, bits) < 1 - 1e-9]
+
+
+def tile_table() -> List[str]:
+    """Where the tile kernel beats the per-row one: its modelled time over the per-row kernel's
+    per call (below 1: the tile is faster), and over a layer's timed row counts (1, 2, 4, 8, 16)
+    as the tuner sums them for one choice per layer."""
+    lines = ["Tile over per-row kernel, modelled time per call of a large matmul (below 1.00 the tile is faster):", "",
+             "| GPU | weights | " + " | ".join(f"M = {m}" if i == 0 else str(m) for i, m in enumerate(TILE_TABLE_ROWS))
+             + " | tile faster at | sum over M = 1, 2, 4, 8, 16 |",
+             "|---|---|" + "---:|" * len(TILE_TABLE_ROWS) + "---|---:|"]
+    for gpu_name in TABLE_GPUS:
+        gpu = gpu_named(gpu_name)
+        for bits in (4, 8):
+            big = Matmul("x", 4096, 12288, 1, bits=bits)
+            total = {ours: sum(seconds(*matmul_cost(big, M, gpu, ours)[1:], gpu) for M in (1, 2, 4, 8, 16))
+                     for ours in ("tile", True)}
+            faster = tile_faster_rows(gpu, bits)
+            where = f"M = {faster[0]}-{faster[-1]}" if faster else "never"
+            lines.append(f"| {gpu_name} | {bits}-bit | " + " | ".join(f"{tile_over_per_row(gpu, M, bits):.2f}" for M in TILE_TABLE_ROWS)
+                         + f" | {where} | {total['tile'] / total[True]:.2f} |")
     return lines
 
 
@@ -453,7 +543,8 @@ def auto_prior(model, facts=None, cap: int = 16) -> Optional[List[float]]:
         draft = _linear_matmuls(model.draft)
     except (AttributeError, KeyError, TypeError, ValueError):
         return None
-    ours = model.matmuls is not None and any(v == "kernel" for v in model.matmuls.choices.values())
+    kernels = set(model.matmuls.choices.values()) & {"kernel", "tile"} if model.matmuls is not None else set()
+    ours = "tile" if kernels == {"tile"} else bool(kernels)
     decode = pass_seconds(c, 1, gpu, False, matmuls=matmuls)
     return [cycle_seconds(c, b, gpu, ours, draft, matmuls=matmuls) / decode for b in range(1, cap + 1)]
 

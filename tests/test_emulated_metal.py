@@ -249,9 +249,10 @@ def test_a_recurrence_kernel_that_fails_its_self_check_falls_back_to_mlx_lms_ker
 WRONG_ROW = ("static_cast<float>(x[r * K + k])", "static_cast<float>(x[k])")
 
 
-def quantized_mac_pair(path, draft_dir, bits, sources=None, self_check=True):
+def quantized_mac_pair(path, draft_dir, bits, sources=None, self_check=True, impl=None):
     """A quantized target (bfloat16 checkpoint) and w``bits`` draft on the Mac path: recurrence
-    kernels and verify-matmul kernels emulated, the kernel chosen for every shape it has a form for."""
+    kernels and verify-matmul kernels emulated, the kernel (``impl``: the per-row one unless given)
+    chosen for every shape it has a form for."""
     from dflash_mlx import quantized
     from dflash_mlx.models.dflash import quantize_draft
 
@@ -261,7 +262,7 @@ def quantized_mac_pair(path, draft_dir, bits, sources=None, self_check=True):
     quantize_draft(draft, f"w{bits}:gs32")
     metal = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST, sources), self_check=self_check)
     shapes = [s for dtype in (mx.bfloat16, mx.float32) for s in quantized.shapes_of([target, draft], dtype=dtype)]
-    matmuls = quantized.QuantizedMatmuls(metal, {s: quantized.OURS for s in shapes})
+    matmuls = quantized.QuantizedMatmuls(metal, {s: impl or quantized.OURS for s in shapes})
     target.use_quantized_matmuls(matmuls)
     draft.use_quantized_matmuls(matmuls)
     assert all(layer.eager for layer in target.layers) and all(layer.eager for layer in draft.layers)
@@ -295,6 +296,20 @@ def test_quantized_pairs_are_lossless_through_the_verify_kernel(bf16_target_dir,
     report = {k: v for k, v in metal.report().items() if k.startswith("quantized_verify")}
     rows = {int(k.split("Rows=")[1].split()[0]) for k in report}
     assert {1, 2, 4, 8} <= rows and set(report.values()) == {"ok"}, report  # decode, and blocks 2, 4 and 8
+
+
+@pytest.mark.slow  # every matmul runs in the C++ emulator
+def test_a_quantized_pair_is_lossless_through_the_tile_kernel(bf16_target_dir, tmp_path, small_prompts):
+    """The same with every quantized matmul through the simdgroup-matrix tile kernel (decode steps
+    padded to the 8-row tile, blocks of 2 and 8 in it, the 16-row form self-checked too)."""
+    from dflash_mlx import quantized
+
+    target, draft, metal = quantized_mac_pair(bf16_target_dir, tmp_path, 4, impl=quantized.TILE)
+    check_greedy_lossless(target, draft, small_prompts[:1], [2, 8], n=16)
+    report = {k: v for k, v in metal.report().items() if k.startswith("quantized_verify_tile")}
+    rows = {int(k.split("Rows=")[1].split()[0]) for k in report}
+    assert rows == {8, 16} and set(report.values()) == {"ok"}, report
+    assert not any(k.startswith("quantized_verify ") for k in metal.report())  # no layer on the per-row kernel
 
 
 @pytest.mark.slow  # builds a mutated kernel in the emulator

@@ -308,8 +308,11 @@ def test_every_module_the_kernel_sources_and_the_demo_pair_ship_in_the_wheel(tmp
     assert done.returncode == 0, done.stderr
     (wheel,) = tmp_path.glob("dflash_mlx-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for kernel in kernels.KERNEL_NAMES:
+    from dflash_mlx import quantized
+
+    for kernel in kernels.KERNEL_NAMES + tuple(quantized.KERNEL_OF.values()):
         assert f"dflash_mlx/metal/{kernel}.metal" in names
+    assert {n for n in names if n.endswith(".metal")} == {f"dflash_mlx/metal/{p.name}" for p in (root / "metal").glob("*.metal")}
     modules = {str(p.relative_to(root)) for p in (root / "dflash_mlx").rglob("*.py")}
     assert modules <= set(names), f"modules missing from the wheel: {sorted(modules - set(names))}"
     demo = root / "dflash_mlx" / "demo"

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 LAYERS: List[Tuple[str, List]] = [
     ("leaves", ["paths", ("errors", "checkpoint_files"), "quant", "records", "device", "kernels", "sampling",
                 "reasoning", "block_policy"]),
-    ("quantized matmuls, caches, the cycle-cost model", ["quantized", "cache", "traffic"]),
+    ("quantized matmuls, caches, the cycle-cost model", [("quantized", "traffic"), "cache"]),
     ("models, the prompt cache", ["models", "prompt_cache"]),
     ("loading", ["loading"]),
     ("converters, decode loops, pipeline", ["convert", "target_conversion", ("prefill", "decoder", "speculative"),

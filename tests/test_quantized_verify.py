@@ -4,7 +4,6 @@ the per-shape choice (``QuantizedMatmuls``, the tuner and its cache)."""
 
 from __future__ import annotations
 
-import json
 import warnings
 
 import mlx.core as mx
@@ -12,8 +11,10 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from dflash_mlx import kernels, quantized
+from dflash_mlx import device, kernels, quantized
 from tests.metal_emulation import HIGHEST_FIRST, LOWEST_FIRST, PARALLEL, EmulatedMetal, mutated_sources
+
+M3 = device.DeviceFacts("Apple M3 Pro", "applegpu_g15s", True, 15, None, None)
 
 # (mode, bits, group size): every form the kernel has.
 FORMS = [("affine", 4, 32), ("affine", 4, 64), ("affine", 4, 128), ("affine", 8, 32), ("affine", 8, 64),
@@ -209,9 +210,9 @@ def test_routed_layers_use_the_kernel_only_where_chosen_and_keep_their_parameter
 
 
 def stand_in_clock(kernel_wins_overall):
-    """Timings that prefer stock at M = 1 and the kernel at M = 8, the sum over the timed row counts
-    going to the kernel (or, for the 24-column layer when ``kernel_wins_overall`` is False, to stock).
-    The timed calls do run, and every kernel launch is recorded."""
+    """Timings that prefer stock at M = 1 and the tile kernel at M >= 2 (the per-row kernel in
+    between), the sum over the timed row counts going to the tile (or, for the 24-column layer when
+    ``kernel_wins_overall`` is False, to stock, the per-row kernel second). The timed calls do run."""
     def measure(which, fn):
         out = fn()
         mx.eval(out)
@@ -219,8 +220,10 @@ def stand_in_clock(kernel_wins_overall):
         if which == quantized.STOCK:
             return 1.0 if M == 1 else 4.0
         if M == 1:
-            return 2.0
-        return 4.5 if N == 24 and not kernel_wins_overall else 1.0
+            return 2.0 if which == quantized.OURS else 3.0
+        if N == 24 and not kernel_wins_overall:
+            return 4.5
+        return 3.0 if which == quantized.OURS else 1.0
 
     return measure
 
@@ -234,18 +237,25 @@ def recording(metal):
 
 def test_one_implementation_per_layer_for_every_row_count(tmp_path):
     """The tuner decides per shape for every row count at once: where stock is faster at M = 1 but
-    the kernel at M = 8 and over the timed row counts, a decode step (M = 1) and a verify block
-    (M = 8) of that layer both go through the kernel, and each verify row is bit for bit its decode
-    step; where stock wins overall, both run stock and the layer stays compiled. Timed on the
-    layers' own weights, choices cached per device."""
+    the tile kernel at M = 8 and over the timed row counts, a decode step (M = 1, the tile padded
+    to 8 rows) and a verify block (M = 8) of that layer both go through the tile, and each verify
+    row is bit for bit its decode step; where stock wins overall and is one row-independent kernel
+    at every M on the GPU (``stock_one``: qmv here), both run stock and the layer stays compiled;
+    where stock switches kernels across M (an M3: qmv, then qmv_wide) it is not an option, however
+    fast. Timed on the layers' own weights, choices cached per device."""
     model = quantized_mlp()
     layers = quantized.layers_of([model])
     assert {(s.K, s.N) for s in layers} == {(64, 24), (64, 64), (64, 40)}
     metal = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST))
     launches = recording(metal)
-    timings = quantized.tune(metal, layers, stand_in_clock(kernel_wins_overall=False))
-    assert all(set(t.stock_s) == set(quantized.TUNED_ROWS) for t in timings)
-    assert {t.shape.N: t.choice for t in timings} == {24: quantized.STOCK, 64: quantized.OURS, 40: quantized.OURS}
+    one_kernel = lambda shape: "qmv"  # noqa: E731 - e.g. an M1 Ultra at these sizes
+    timings = quantized.tune(metal, layers, stand_in_clock(kernel_wins_overall=False), stock_one=one_kernel)
+    assert all(set(t.stock_s) == set(t.kernel_s) == set(t.tile_s) == set(quantized.TUNED_ROWS) for t in timings)
+    assert {t.shape.N: t.choice for t in timings} == {24: quantized.STOCK, 64: quantized.TILE, 40: quantized.TILE}
+    m3 = quantized.stock_rule(M3)
+    assert {m3(s) for s in layers} == {None}
+    switching = quantized.tune(metal, layers, stand_in_clock(kernel_wins_overall=False), stock_one=m3)
+    assert {t.shape.N: t.choice for t in switching} == {24: quantized.OURS, 64: quantized.TILE, 40: quantized.TILE}
     assert {launch.inputs[1] is layers[t.shape]["weight"] for launch in launches for t in timings
             if launch.inputs[6] == t.shape.N} == {True}  # the layer's own packed weights, not random ones
     cache = quantized.TuningCache(tmp_path / "tuning.json", "test-gpu")
@@ -256,19 +266,22 @@ def test_one_implementation_per_layer_for_every_row_count(tmp_path):
 
     matmuls = quantized.QuantizedMatmuls(metal, again.choices())
     quantized.route(model, matmuls)
-    x = mx.random.normal((8, 64), key=mx.random.key(1)).astype(mx.bfloat16)
+    x = mx.random.normal((12, 64), key=mx.random.key(1)).astype(mx.bfloat16)
     for layer_, n, through_kernel in ((model.layers[1], 64, True), (model.layers[0], 24, False)):
-        launches.clear()
-        decode = [exact(layer_(x[r : r + 1])) for r in range(8)]
-        verify = exact(layer_(x))
-        rows = sorted({launch.inputs[4] for launch in launches if launch.inputs[6] == n})
-        assert rows == ([1, 8] if through_kernel else [])
-        if through_kernel:  # stock's qmv and qmv_wide/qmm may round differently; the kernel may not
-            for r in range(8):
-                np.testing.assert_array_equal(verify[r], decode[r][0], err_msg=f"row {r}")
+        for M in (8, 12):
+            launches.clear()
+            decode = [exact(layer_(x[r : r + 1])) for r in range(M)]
+            verify = exact(layer_(x[:M]))
+            ran = sorted({(launch.name, launch.inputs[4], dict(launch.template)["Rows"]) for launch in launches
+                          if launch.inputs[6] == n})
+            assert ran == ([(quantized.TILE_KERNEL, 1, 8), (quantized.TILE_KERNEL, M, quantized.rows_bucket(M, quantized.TILE))]
+                           if through_kernel else [])
+            if through_kernel:  # stock's qmv and qmv_wide/qmm may round differently; the kernel may not
+                for r in range(M):
+                    np.testing.assert_array_equal(verify[r], decode[r][0], err_msg=f"row {r} of {M}")
     assert quantized.routes_to_metal(model.layers[1]) and not quantized.routes_to_metal(model.layers[0])
     lines = quantized.render_timings(timings)
-    assert "M=8 stock/kernel" in lines[0] and any(line.endswith("kernel") for line in lines[1:])
+    assert "M=8 stock/kernel/tile" in lines[0] and any(line.endswith("tile") for line in lines[1:])
 
 
 def test_a_form_failing_a_self_check_at_one_row_count_runs_stock_at_every_row_count():
@@ -292,7 +305,10 @@ def test_the_tuner_needs_its_margin_and_times_batches_of_calls():
     layers = quantized.layers_of([model])
     metal = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST))
     close = lambda which, fn: mx.eval(fn()) or (0.97 if which == quantized.OURS else 1.0)  # noqa: E731
-    assert {t.choice for t in quantized.tune(metal, layers, close)} == {quantized.STOCK}  # 3% is noise
+    one_kernel = lambda shape: "qmv"  # noqa: E731 - stock is one row-independent kernel at every M
+    assert {t.choice for t in quantized.tune(metal, layers, close, stock_one=one_kernel)} == {quantized.STOCK}  # 3% is noise
+    # Where stock switches kernels across M there is no margin to need: the faster of ours runs.
+    assert {t.choice for t in quantized.tune(metal, layers, close, stock_one=quantized.stock_rule(M3))} == {quantized.OURS}
     calls = []
     counted = lambda: calls.append(1) or mx.zeros((1,))  # noqa: E731
     assert quantized.batch_time(quantized.STOCK, counted, calls=4, repeats=3, warmup=1) > 0 and len(calls) == 1 + 4 * 3
@@ -349,7 +365,7 @@ def test_the_cost_model_counts_bytes_and_arithmetic():
     assert all(line in readme for line in traffic.summary())  # the README's numbers are the model's
     lines = traffic.cost_tables()
     assert any(line.startswith("| M3 Pro | ours | 1.00 |") for line in lines)
-    assert sum(line.startswith(("| M1 |", "| M3 Pro |", "| M4 Max |")) for line in lines) == 2 * 2 * 3 + 3
+    assert sum(line.startswith(("| M1 |", "| M3 Pro |", "| M4 Max |")) for line in lines) == 2 * 2 * 3 + 3 + 3 * 2
 
 
 def test_auto_starts_from_the_cost_model_on_a_mac(tmp_path, monkeypatch):

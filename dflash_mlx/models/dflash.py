@@ -371,7 +371,7 @@ class DraftLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self._before_attention = self._after_attention = None  # compiled on first use
-        object.__setattr__(self, "eager", False)  # a quantized matmul may run the Metal kernel: not compiled
+        self.eager = False  # a quantized matmul may run the Metal kernel: not compiled
 
     def __call__(self, x, rope, cache):
         before, after = self._compiled(rope)

@@ -193,7 +193,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, args.hidden_size, bias=False)
         # How the recurrence runs (Metal kernels, chunked, reference): decided at load, see
         # Model.use_recurrence; a plain attribute, not a parameter.
-        object.__setattr__(self, "recurrence", kernels.Recurrence.for_this_process())
+        self.recurrence = kernels.Recurrence.for_this_process()
 
     def states(self, x, cache: Optional[GatedDeltaCache]):
         """The conv and recurrent states a call starts from (zeros for a fresh cache)."""
@@ -337,8 +337,10 @@ class DecoderLayer(nn.Module):
         # Compiled forms per mode (see _pieces), whether a quantized matmul of the layer may run
         # the Metal kernel (quantized.route_layers), and the mode those settle on: attributes,
         # resolved when the model is set up (Model.use_recurrence, use_quantized_matmuls).
+        # A dict set the plain way would become a child of the module tree (nn.Module stores dicts,
+        # lists and arrays as parameters): the one module attribute that needs object.__setattr__.
         object.__setattr__(self, "_compiled", {})
-        object.__setattr__(self, "eager", False)
+        self.eager = False
         self.resolve_mode()
 
     def resolve_mode(self) -> None:
@@ -346,7 +348,7 @@ class DecoderLayer(nn.Module):
         for Gated DeltaNet (compiled graphs embed the one they traced) or ``attention``."""
         metal = self.eager or (self.is_linear and self.linear_attn.recurrence_mode() == "metal")
         mode = "metal" if metal else self.linear_attn.recurrence_mode() if self.is_linear else "attention"
-        object.__setattr__(self, "mode", mode)
+        self.mode = mode
 
     def __call__(self, x, cache=None, record_tape: bool = False):
         # Compiled graphs are traced per input shape: only decode and verify lengths (at most
@@ -471,7 +473,7 @@ class Model(nn.Module):
         """Run every Gated DeltaNet layer (and its caches' rollbacks) through ``recurrence``."""
         for layer in self.layers:
             if layer.is_linear:
-                object.__setattr__(layer.linear_attn, "recurrence", recurrence)
+                layer.linear_attn.recurrence = recurrence
             layer.resolve_mode()
         return self
 

@@ -59,7 +59,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = nn.Linear(H, 1, bias=False)
         # MLX's CPU gather_mm computes only in float32: unquantized experts are cast once at load
         # there (Model.experts_in_float32), and their inputs with each call. A plain attribute.
-        object.__setattr__(self, "float32_experts", False)
+        self.float32_experts = False
 
     def router_logits(self, x: mx.array) -> mx.array:
         """[..., E] logits, each token's computed exactly as a one-token call computes it."""
@@ -102,7 +102,7 @@ class Model(qwen3_5.Model):
             if "scales" in moe.switch_mlp.gate_proj:  # quantized: gather_qmm runs in any dtype
                 continue
             moe.switch_mlp.set_dtype(mx.float32)
-            object.__setattr__(moe, "float32_experts", True)
+            moe.float32_experts = True
         return self
 
     def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:

@@ -37,8 +37,13 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 PARALLEL, LOWEST_FIRST, HIGHEST_FIRST = 0, 1, 2
 SCHEDULES = (PARALLEL, LOWEST_FIRST, HIGHEST_FIRST)
-# No _FORTIFY_SOURCE: its longjmp check refuses the fibers' jumps between stacks.
-_FLAGS = ["-std=c++20", "-O1", "-fPIC", "-pthread", "-ffp-contract=off", "-Wno-attributes", "-U_FORTIFY_SOURCE"]
+# No _FORTIFY_SOURCE: its longjmp check refuses the fibers' jumps between stacks. No GNU unique
+# symbols: a kernel's `threadgroup` variables are statics of a template function named by the
+# kernel and its template, which g++ would make one object per process across libraries, so that
+# a mutant would share its threadgroup memory with the kernel it mutates (and read the table or
+# tile the other left there).
+_FLAGS = ["-std=c++20", "-O1", "-fPIC", "-pthread", "-ffp-contract=off", "-Wno-attributes", "-U_FORTIFY_SOURCE",
+          "-fno-gnu-unique"]
 
 # MLX: "Inputs with fewer elements are passed in the constant address space".
 MAX_CONSTANT_ARRAY_SIZE = 8

@@ -123,6 +123,8 @@ float simd_reduce_sum(float value) {
   return g.simd_result[sg];
 }
 
+unsigned lane() { return static_cast<unsigned>(current.index % 32); }
+
 inline uint ceil_div(uint a, uint b) { return (a + b - 1) / b; }
 
 constexpr size_t kFiberStack = 64 * 1024;
