@@ -509,9 +509,10 @@ def test_the_engine_refuses_to_batch_a_pipelined_target_and_bad_settings():
     refused with the reason (``serve`` under mlx.launch then runs with 1 and says so)."""
     import types
 
+    from dflash_mlx.runner import Pipelined
     from dflash_mlx.server.engine import Engine
 
-    pipelined = types.SimpleNamespace(pipeline=object())
+    pipelined = types.SimpleNamespace(runner=Pipelined(pipeline=object()))
     with pytest.raises(ValueError, match="a pipelined target serves one generation at a time"):
         Engine(pipelined, None, "m", max_concurrent=2)
     with pytest.raises(ValueError, match="max_concurrent must be at least 1, got 0"):
