@@ -17,16 +17,14 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from . import defaults, device, loading, quantized, traffic
 from .block_policy import BlockStats, BlockTokens
 from .checkpoint_files import text_part
-from .models.dflash import DFlashDraft, DraftArgs, quantize_draft, resolve_taps
+from .models.dflash import DFlashDraft, quantize_draft
 from .models.qwen3_5 import Model as Target
-from .pipeline import Pipeline, stages
-from .pipeline.link import Link
 from .prompt_cache import PromptCache, PromptCachePool
 from .quant import parse_quant
 from .reasoning import partial_suffix
 from .sampling import Sampler
 from .records import Cancelled, Commit
-from .runner import DecodeRequest, Local, Pipelined
+from .runner import DecodeRequest, Local, Pipelined, PipelineLayout
 
 Prompt = Union[str, Sequence[int], Sequence[Dict[str, Any]], mx.array]
 
@@ -172,14 +170,13 @@ def load(
     target_path = loading.resolve_path(path_or_hf_repo, revision)
     draft_path = loading.resolve_path(draft, draft_revision) if draft is not None else None
     group = mx.distributed.init()
-    layout = _PipelineLayout(group, target_path, draft_path, stages) if group.size() > 1 else None
+    layout = PipelineLayout(group, target_path, draft_path, stages) if group.size() > 1 else None
     target, config = loading.load_target(target_path, stage_of=layout.stage_of if layout else None)
     eos = config.get("eos_token_id") or text_part(config).get("eos_token_id")
     tokenizer = load_tokenizer(target_path, eos_token_ids=[eos] if isinstance(eos, int) else eos)
     model = DFlashModel(target, target_path=target_path, draft_window=draft_window, draft_path=draft_path)
     if layout is not None:
-        model.runner = Pipelined(Pipeline(Link(group, peer_timeout), target, layout.stage, layout.taps,
-                                          layout.block_size, layout.draft_kind))
+        model.runner = layout.runner(target, peer_timeout)
     if draft_path is not None and (layout is None or layout.stage.last):
         model.draft, draft_config = loading.load_draft(draft_path)
         model.draft.bind(target)
@@ -195,41 +192,6 @@ def load(
             model.use_quantized_matmuls(matmuls, progress=progress)
     model.block_stats.costs.set_prior(traffic.auto_prior(model))  # on a Mac: modelled cycle costs until measured
     return model, tokenizer
-
-
-class _PipelineLayout:
-    """Where a pipelined pair's parts go: this rank's stage (planned from the lazily loaded
-    weights, so nothing else is read), the draft's taps and block size (every rank forwards the
-    tapped features; rank 0 checks block sizes)."""
-
-    def __init__(self, group, target_path: Path, draft_path: Optional[Path], counts):
-        self.group, self.rank, self.world = group, group.rank(), group.size()
-        self.counts = stages.parse_counts(counts) if isinstance(counts, (str, type(None))) else list(counts)
-        self.has_draft = draft_path is not None
-        self.taps: List[int] = []
-        self.block_size: Optional[int] = None
-        self.draft_kind: Optional[str] = None
-        self.draft_bytes = 0
-        if draft_path is not None:
-            args = DraftArgs.from_dict(loading.read_config(draft_path))
-            config = loading.read_config(target_path)
-            layers = loading.target_module(config).ModelArgs.from_dict(config).num_hidden_layers
-            self.taps = resolve_taps(args.target_layer_ids, args.num_hidden_layers, layers)
-            self.block_size = args.block_size
-            self.draft_kind = loading.draft_class(args).kind_of(args)
-            self.draft_bytes = sum(v.nbytes for v in loading.read_weights(draft_path).values())
-        self.stage: Optional[stages.Stage] = None
-
-    def stage_of(self, model, weights) -> stages.Stage:
-        tied = model.args.tie_word_embeddings
-        split = stages.split_pair(weights, model.args.num_hidden_layers, self.world, self.counts, self.draft_bytes,
-                                  self.has_draft, tied)
-        stages.agree(self.group, split.ranges)
-        start, end = split.ranges[self.rank]
-        last = self.rank == self.world - 1
-        embedding = self.rank == 0 or (last and (self.has_draft or tied))
-        self.stage = stages.Stage(self.rank, self.world, start, end, embedding=embedding)
-        return self.stage
 
 
 class TuningProgress:

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Container, Dict, Iterator, Optional, Sequence, Union
+from pathlib import Path
+from typing import Any, Callable, Container, Dict, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 from mlx_lm.generate import wired_limit
 
+from . import loading
 from .block_policy import AutoBlock, BlockTokens
-from .pipeline import Pipeline, PipelinedTarget
+from .models.dflash import DraftArgs, resolve_taps
+from .pipeline import Pipeline, PipelinedTarget, stages
+from .pipeline.link import Link
 from .prompt_cache import PromptCache, PromptCachePool
 from .records import Cancelled, Commit
 from .sampling import Sampler
@@ -222,3 +226,44 @@ def _last_rank_decode(model, message: Dict[str, Any], target: PipelinedTarget) -
     draft, chooser = drafting(model, request.sampler, BlockTokens.parse(request.block_tokens), request.use_draft,
                               request.seed)
     return decode(target, draft, chooser, model.draft_window, request, request.prompt)
+
+
+class PipelineLayout:
+    """Where a pipelined pair's parts go: this rank's stage (planned from the lazily loaded
+    weights, so nothing else is read), the draft's taps and block size (every rank forwards the
+    tapped features; rank 0 checks block sizes)."""
+
+    def __init__(self, group, target_path: Path, draft_path: Optional[Path], counts):
+        self.group, self.rank, self.world = group, group.rank(), group.size()
+        self.counts = stages.parse_counts(counts) if isinstance(counts, (str, type(None))) else list(counts)
+        self.has_draft = draft_path is not None
+        self.taps: List[int] = []
+        self.block_size: Optional[int] = None
+        self.draft_kind: Optional[str] = None
+        self.draft_bytes = 0
+        if draft_path is not None:
+            args = DraftArgs.from_dict(loading.read_config(draft_path))
+            config = loading.read_config(target_path)
+            layers = loading.target_module(config).ModelArgs.from_dict(config).num_hidden_layers
+            self.taps = resolve_taps(args.target_layer_ids, args.num_hidden_layers, layers)
+            self.block_size = args.block_size
+            self.draft_kind = loading.draft_class(args).kind_of(args)
+            self.draft_bytes = sum(v.nbytes for v in loading.read_weights(draft_path).values())
+        self.stage: Optional[stages.Stage] = None
+
+    def stage_of(self, model, weights) -> stages.Stage:
+        tied = model.args.tie_word_embeddings
+        split = stages.split_pair(weights, model.args.num_hidden_layers, self.world, self.counts, self.draft_bytes,
+                                  self.has_draft, tied)
+        stages.agree(self.group, split.ranges)
+        start, end = split.ranges[self.rank]
+        last = self.rank == self.world - 1
+        embedding = self.rank == 0 or (last and (self.has_draft or tied))
+        self.stage = stages.Stage(self.rank, self.world, start, end, embedding=embedding)
+        return self.stage
+
+    def runner(self, target, peer_timeout: float) -> "Pipelined":
+        """This rank's part, once ``target`` holds its stage (``stage_of`` was called)."""
+        pipeline = Pipeline(Link(self.group, peer_timeout), target, self.stage, self.taps, self.block_size,
+                            self.draft_kind)
+        return Pipelined(pipeline)
