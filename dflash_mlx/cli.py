@@ -732,28 +732,16 @@ def train_draft_command(
         TimeElapsedColumn,
     )
 
-    from .train import DFlash2Shape, TrainConfig, train_draft
+    from .train import DFlash2Shape, TrainConfig, check_run, parse_taps, train_draft
 
-    if arch not in ("dflash", "dflash2"):
-        _fail(f"--arch {arch!r}: choose 'dflash' or 'dflash2'")
-    for name, value in (("--conv-kernel-size", conv_kernel_size), ("--conv-group-size", conv_group_size),
-                        ("--selector-rank", selector_rank), ("--selector-top-k", selector_top_k)):
-        if value < 1:
-            _fail(f"{name} {value}: at least 1")
-    dflash2 = DFlash2Shape(conv_kernel_size, conv_group_size, selector_rank, selector_top_k) if arch == "dflash2" else None
-    try:
-        tap_ids = [int(t) for t in taps.split(",") if t.strip()] or None
-    except ValueError:
-        _fail(f"--taps {taps!r}: expected layer numbers separated by commas")
-    missing = [str(p) for p in data if not p.is_file()]
-    if missing:
-        _fail(f"--data {missing[0]} does not exist")
-    if out.exists() and not resume and any(out.iterdir()):
-        _fail(f"{out} already exists and is not empty (use --resume to continue it, or another --out)")
+    try:  # train's own checks, before the target loads
+        dflash2 = DFlash2Shape.for_arch(arch, conv_kernel_size, conv_group_size, selector_rank, selector_top_k)
+        tap_ids = parse_taps(taps)
+        check_run(data, out, resume, from_draft is not None)
+    except ValueError as e:
+        _fail(str(e))
     start = None
     if from_draft is not None:
-        if resume:
-            _fail("--from-draft starts a new run; --resume continues the one in --out: give one of them")
         shaped = [f"--{name.replace('_', '-')}" for name in ("layers", "taps", "block_size", "mask_token_id",
                                                              "block_only_layers", "causal", "init")
                   if context.get_parameter_source(name).name != "DEFAULT"]
