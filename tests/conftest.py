@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Dict
 
 import mlx.core as mx
 import numpy as np
