@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
@@ -16,18 +15,16 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from . import defaults, device, loading, quantized, traffic
-from .block_policy import AutoBlock, BlockStats, BlockTokens
+from .block_policy import BlockStats, BlockTokens
 from .checkpoint_files import text_part
-from .models.dflash import DFlashDraft, DraftArgs, quantize_draft, resolve_taps
+from .models.dflash import DFlashDraft, quantize_draft
 from .models.qwen3_5 import Model as Target
-from .pipeline import Pipeline, PipelinedTarget, stages
-from .pipeline.link import Link
 from .prompt_cache import PromptCache, PromptCachePool
 from .quant import parse_quant
 from .reasoning import partial_suffix
 from .sampling import Sampler
 from .records import Cancelled, Commit
-from .speculative import speculative, target_only
+from .runner import DecodeRequest, Local, Pipelined, PipelineLayout
 
 Prompt = Union[str, Sequence[int], Sequence[Dict[str, Any]], mx.array]
 
@@ -46,23 +43,20 @@ class DFlashModel:
     block_stats: BlockStats = field(default_factory=BlockStats)
     # The verify-matmul kernel's per-shape choices (Metal only; None: stock quantized_matmul).
     matmuls: Optional[quantized.QuantizedMatmuls] = None
-    # This rank's part when the target is pipelined over several processes (``mx.distributed``):
-    # ``target`` is then this rank's stage, and ``draft`` is on the last rank only.
-    pipeline: Optional[Pipeline] = None
+    # Where requests run and what this process can do with them (``runner``): in this process, or
+    # through the ranks of a pipeline (``mx.distributed``), where ``target`` is this rank's stage
+    # and ``draft`` is on the last rank only.
+    runner: Union[Local, Pipelined] = field(default_factory=Local)
 
     @property
     def draft_block_size(self) -> Optional[int]:
         """The draft's block size (None: no draft), on every rank of a pipeline."""
-        if self.draft is not None:
-            return self.draft.block_size
-        return self.pipeline.draft_block_size if self.pipeline is not None else None
+        return self.draft.block_size if self.draft is not None else self.runner.draft_block_size
 
     @property
     def draft_kind(self) -> Optional[str]:
         """``DFlash`` or ``DFlash2`` (None: no draft), on every rank of a pipeline."""
-        if self.draft is not None:
-            return self.draft.kind
-        return self.pipeline.draft_kind if self.pipeline is not None else None
+        return self.draft.kind if self.draft is not None else self.runner.draft_kind
 
     def use_quantized_matmuls(self, matmuls: Optional[quantized.QuantizedMatmuls],
                               cache: Optional[quantized.TuningCache] = None, everything: bool = False,
@@ -178,14 +172,13 @@ def load(
     target_path = loading.resolve_path(path_or_hf_repo, revision)
     draft_path = loading.resolve_path(draft, draft_revision) if draft is not None else None
     group = mx.distributed.init()
-    layout = _PipelineLayout(group, target_path, draft_path, stages) if group.size() > 1 else None
+    layout = PipelineLayout(group, target_path, draft_path, stages) if group.size() > 1 else None
     target, config = loading.load_target(target_path, stage_of=layout.stage_of if layout else None)
     eos = config.get("eos_token_id") or text_part(config).get("eos_token_id")
     tokenizer = load_tokenizer(target_path, eos_token_ids=[eos] if isinstance(eos, int) else eos)
     model = DFlashModel(target, target_path=target_path, draft_window=draft_window, draft_path=draft_path)
     if layout is not None:
-        model.pipeline = Pipeline(Link(group, peer_timeout), target, layout.stage, layout.taps,
-                                  layout.block_size, layout.draft_kind)
+        model.runner = layout.runner(target, peer_timeout)
     if draft_path is not None and (layout is None or layout.stage.last):
         model.draft, draft_config = loading.load_draft(draft_path)
         model.draft.bind(target)
@@ -201,41 +194,6 @@ def load(
             model.use_quantized_matmuls(matmuls, progress=progress)
     model.block_stats.costs.set_prior(traffic.auto_prior(model))  # on a Mac: modelled cycle costs until measured
     return model, tokenizer
-
-
-class _PipelineLayout:
-    """Where a pipelined pair's parts go: this rank's stage (planned from the lazily loaded
-    weights, so nothing else is read), the draft's taps and block size (every rank forwards the
-    tapped features; rank 0 checks block sizes)."""
-
-    def __init__(self, group, target_path: Path, draft_path: Optional[Path], counts):
-        self.group, self.rank, self.world = group, group.rank(), group.size()
-        self.counts = stages.parse_counts(counts) if isinstance(counts, (str, type(None))) else list(counts)
-        self.has_draft = draft_path is not None
-        self.taps: List[int] = []
-        self.block_size: Optional[int] = None
-        self.draft_kind: Optional[str] = None
-        self.draft_bytes = 0
-        if draft_path is not None:
-            args = DraftArgs.from_dict(loading.read_config(draft_path))
-            config = loading.read_config(target_path)
-            layers = loading.target_module(config).ModelArgs.from_dict(config).num_hidden_layers
-            self.taps = resolve_taps(args.target_layer_ids, args.num_hidden_layers, layers)
-            self.block_size = args.block_size
-            self.draft_kind = loading.draft_class(args).kind_of(args)
-            self.draft_bytes = sum(v.nbytes for v in loading.read_weights(draft_path).values())
-        self.stage: Optional[stages.Stage] = None
-
-    def stage_of(self, model, weights) -> stages.Stage:
-        tied = model.args.tie_word_embeddings
-        split = stages.split_pair(weights, model.args.num_hidden_layers, self.world, self.counts, self.draft_bytes,
-                                  self.has_draft, tied)
-        stages.agree(self.group, split.ranges)
-        start, end = split.ranges[self.rank]
-        last = self.rank == self.world - 1
-        embedding = self.rank == 0 or (last and (self.has_draft or tied))
-        self.stage = stages.Stage(self.rank, self.world, start, end, embedding=embedding)
-        return self.stage
 
 
 class TuningProgress:
@@ -376,16 +334,34 @@ def stream_generate(
     (the cache keeps what was fed) and nothing is yielded. ``prefill_step_size``: prompt tokens per
     prefill chunk (default: this backend's, ``prefill.default_prefill_step``).
 
-    Pipelined (``model.pipeline``): on rank 0 this sends the request to the other ranks and yields
+    Pipelined (``model.runner``): on rank 0 this sends the request to the other ranks and yields
     the answer (``logprobs`` None: they stay on the last rank); on every other rank it takes part
     in that one request and yields nothing (each rank runs the same script).
     """
     if isinstance(model, Target):
         model = DFlashModel(model)
-    if model.pipeline is not None and not model.pipeline.drives:
-        with wired_limit(model.target):
-            model.pipeline.take_part(partial(_run_request, model))
+    if not model.runner.leads:  # a pipeline's other ranks take part in rank 0's request
+        model.runner.follow(model)
         return
+    request = _decode_request(model, tokenizer, prompt, max_tokens, block_tokens, sampler, temp, top_p, top_k, min_p,
+                              seed, use_draft, prefill_step_size, enable_thinking)
+    run = model.runner.start(model, request, prompt_cache, checkpoint_at, cancelled)
+    # As mlx-lm does: the weights wired in memory while generating (Metal; a no-op elsewhere).
+    try:
+        with wired_limit(model.target):
+            yield from _responses(run.steps, tokenizer, request.prompt.size, run.reused, stop or [], max_tokens,
+                                  run.history)
+    except Cancelled:
+        return
+    finally:
+        run.close()  # undoes the step in flight: the caches hold exactly the recorded tokens
+
+
+def _decode_request(model: DFlashModel, tokenizer, prompt: Prompt, max_tokens: int, block_tokens, sampler, temp: float,
+                    top_p: float, top_k: int, min_p: float, seed: Optional[int], use_draft: bool,
+                    prefill_step_size: Optional[int], enable_thinking: Optional[bool]) -> DecodeRequest:
+    """``stream_generate``'s arguments checked (before anything runs or leaves this process) and
+    made a request for the decode loop, the sampler with the request's own generator."""
     if sampler is None:
         sampler = Sampler(temp, top_p=top_p, top_k=top_k, min_p=min_p)
     elif not isinstance(sampler, Sampler):
@@ -394,93 +370,16 @@ def stream_generate(
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     sampler = sampler.for_request(seed)  # the request's own generator: MLX's global one is never touched
     ids = encode_prompt(tokenizer, prompt, enable_thinking)
-    if model.pipeline is not None:
-        if prompt_cache is not None:
-            raise ValueError("a pipelined target keeps no prompt cache between requests (prompt_cache must be None)")
-        if use_draft:  # checked here, before the request leaves
-            BlockTokens.parse(block_tokens).cap(model.pipeline.draft_block_size)
-        request = {"prompt": ids.tolist(), "max_tokens": max_tokens, "block_tokens": block_tokens,
-                   "sampler": sampler.settings(), "seed": seed, "use_draft": use_draft,
-                   "prefill_step_size": prefill_step_size, "stop_tokens": sorted(tokenizer.eos_token_ids)}
-        steps = model.pipeline.drive(request, cancelled)
-        try:
-            with wired_limit(model.target):
-                yield from _responses(steps, tokenizer, ids.size, 0, stop or [], max_tokens, None)
-        except Cancelled:
-            return
-        finally:
-            steps.close()
-        return
-    draft, chooser = _drafting(model, sampler, BlockTokens.parse(block_tokens), use_draft, seed)
-    history = prompt_cache.take(ids.tolist()) if isinstance(prompt_cache, PromptCachePool) else prompt_cache
-    cache = draft_cache = None
-    reused, split_at = 0, []
-    if history is not None:
-        try:
-            reused = history.prepare(model.target, draft, ids.tolist(), model.draft_window, checkpoint_at)
-        except BaseException:
-            if isinstance(prompt_cache, PromptCachePool):
-                prompt_cache.release(history)  # else it would stay busy, never reused nor evicted
-            raise
-        cache, draft_cache = history.cache, history.draft_cache
-        split_at = [p - reused for p in history.split_points()]
-
-    def after_chunk(fed: int) -> None:
-        if history is not None:
-            history.fed(reused + fed)
-        if cancelled is not None and cancelled():
-            raise Cancelled
-
-    feed, eos = ids[reused:], set(tokenizer.eos_token_ids)
-    if draft is not None:
-        steps = speculative(model.target, draft, feed, sampler, chooser, prefill_step_size, model.draft_window,
-                            cache, draft_cache, after_chunk, split_at, max_tokens, eos)
-    else:
-        steps = target_only(model.target, feed, sampler, prefill_step_size, cache, after_chunk, split_at, max_tokens, eos)
-    # As mlx-lm does: the weights wired in memory while generating (Metal; a no-op elsewhere).
-    try:
-        with wired_limit(model.target):
-            yield from _responses(steps, tokenizer, ids.size, reused, stop or [], max_tokens, history)
-    except Cancelled:
-        return
-    finally:
-        steps.close()  # undoes the step in flight: the caches hold exactly the recorded tokens
-        if isinstance(prompt_cache, PromptCachePool):
-            prompt_cache.release(history)
-
-
-def _run_request(model: DFlashModel, request: Dict[str, Any], target: PipelinedTarget):
-    """The last rank's decode loop for a request from rank 0, exactly as one process runs it."""
-    seed = request["seed"]
-    sampler = Sampler(**request["sampler"]).for_request(seed)
-    draft, chooser = _drafting(model, sampler, BlockTokens.parse(request["block_tokens"]), request["use_draft"], seed)
-    prompt, stop_tokens = mx.array(request["prompt"]), set(request["stop_tokens"])
-    step, max_tokens = request["prefill_step_size"], request["max_tokens"]
-    if draft is not None:
-        return speculative(target, draft, prompt, sampler, chooser, step, model.draft_window,
-                           max_tokens=max_tokens, stop_tokens=stop_tokens)
-    return target_only(target, prompt, sampler, step, max_tokens=max_tokens, stop_tokens=stop_tokens)
+    if use_draft:
+        BlockTokens.parse(block_tokens).cap(model.draft_block_size)
+    return DecodeRequest(ids, max_tokens, block_tokens, sampler, seed, use_draft, prefill_step_size,
+                         set(tokenizer.eos_token_ids))
 
 
 def serve_pipeline(model: DFlashModel) -> None:
     """On a pipeline's ranks other than 0: take part in every request rank 0 sends, until rank 0
-    calls ``model.pipeline.shutdown()`` (the CLI's ``generate``, ``serve`` and ``bench`` do)."""
-    with wired_limit(model.target):
-        model.pipeline.serve_forever(partial(_run_request, model))
-
-
-def _drafting(model: DFlashModel, sampler: Sampler, setting: BlockTokens, use_draft: bool, seed: Optional[int]):
-    """The draft to run (None: the target alone) and its block size or ``BlockChooser``."""
-    draft = model.draft if use_draft else None
-    cap = setting.cap(draft.block_size if draft is not None else None) if use_draft else 1
-    if cap == 1:
-        return None, None  # no draft slot: plain decoding
-    # Auto's choices follow measured times, and a sampled cycle's random draws depend on its size:
-    # a seeded sampled request drafts whole blocks, so the seed gives the same text every time.
-    # Shadow probes grade drafts by matching greedy tokens: greedy only.
-    if setting.auto and (sampler.greedy or seed is None):
-        return draft, AutoBlock(model.block_stats, cap, shadow=sampler.greedy)
-    return draft, cap
+    calls ``model.runner.close()`` (the CLI's ``generate``, ``serve`` and ``bench`` do)."""
+    model.runner.follow(model, forever=True)
 
 
 def _responses(steps, tokenizer, prompt_tokens: int, reused: int, stop: Sequence[str], max_tokens: int,

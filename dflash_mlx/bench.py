@@ -409,8 +409,8 @@ def divergence_report(rows: List[Dict]) -> Tuple[List[str], bool]:
 
 def target_logits(model: DFlashModel) -> Optional[Callable[[List[int]], "object"]]:
     """The target's next-token logits after a token list (one forward pass), for the divergence
-    report; None for a pipelined target (this rank holds part of it)."""
-    if model.pipeline is not None or model.target is None:
+    report; None when this process holds only part of the target (a pipeline's rank)."""
+    if not model.runner.holds_whole_target or model.target is None:
         return None
     import mlx.core as mx
 

@@ -37,21 +37,21 @@ class GatedDeltaCache:
         self.offset = 0
         self.tape: Optional[GatedDeltaTape] = None
 
-    def rollback(self, keep: int) -> None:
-        """Keep the first ``keep`` steps of the last taped pass; forget the rest."""
+    def rollback(self, steps_kept: int) -> None:
+        """Keep the first ``steps_kept`` steps of the last taped pass; forget the rest."""
         tape = self.tape
         self.tape = None
         if tape is None:
             raise RuntimeError("rollback() needs a pass run with record_tape=True")
         steps = tape.k.shape[1]
-        if keep == steps:
+        if steps_kept == steps:
             return
-        if not 0 <= keep < steps:
-            raise ValueError(f"keep={keep} outside 0..{steps}")
-        self.state = self.recurrence.tape_replay(tape.start_state, tape.k, tape.g, tape.delta, keep)
+        if not 0 <= steps_kept < steps:
+            raise ValueError(f"steps_kept={steps_kept} outside 0..{steps}")
+        self.state = self.recurrence.tape_replay(tape.start_state, tape.k, tape.g, tape.delta, steps_kept)
         n_conv = tape.conv_input.shape[1] - steps
-        self.conv_state = tape.conv_input[:, keep : keep + n_conv]
-        self.offset -= steps - keep
+        self.conv_state = tape.conv_input[:, steps_kept : steps_kept + n_conv]
+        self.offset -= steps - steps_kept
 
     def update(self, conv_state: mx.array, state: mx.array, steps: int, tape: Optional[GatedDeltaTape]) -> None:
         """After a pass of ``steps`` tokens: the new states, and the tape if it recorded one."""
@@ -113,13 +113,13 @@ def batch_view(caches: List[list]) -> list:
             for layer in zip(*caches)]
 
 
-def rollback(cache: list, fed: int, keep: int) -> None:
-    """Undo the last ``fed - keep`` tokens of a verify pass in every layer's cache."""
+def rollback(cache: list, fed: int, kept: int) -> None:
+    """Undo the last ``fed - kept`` tokens of a verify pass in every layer's cache."""
     for c in cache:
         if isinstance(c, GatedDeltaCache):
-            c.rollback(keep)
-        elif fed > keep:
-            c.trim(fed - keep)
+            c.rollback(kept)
+        elif fed > kept:
+            c.trim(fed - kept)
 
 
 def cache_arrays(cache: list) -> List[mx.array]:

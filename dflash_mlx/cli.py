@@ -56,9 +56,10 @@ PeerTimeout = Annotated[float, typer.Option("--peer-timeout", help="Under mlx.la
 
 
 def _load(model: Optional[str], draft: Optional[str], draft_quant: str, stages: Optional[str] = None,
-          peer_timeout: float = 30.0, pipelined: bool = True):
+          peer_timeout: float = 30.0, reads_keyboard: bool = False):
     """Load (or, for the default pair, first convert) the models; one clear line on failure.
-    Under ``mlx.launch`` every rank loads its stage of the target (``pipelined`` False: refused)."""
+    Under ``mlx.launch`` every rank loads its stage of the target (refused for a command that
+    ``reads_keyboard``: mlx.launch forwards no standard input)."""
     from . import api
     from .defaults import resolve
     from .loading import CheckpointError
@@ -72,10 +73,12 @@ def _load(model: Optional[str], draft: Optional[str], draft_quant: str, stages: 
             loaded = api.load(model, draft=draft, draft_quant=draft_quant, stages=stages, peer_timeout=peer_timeout)
     except (CheckpointError, ValueError) as e:
         _fail(str(e))
-    if loaded[0].pipeline is not None and not pipelined:
+    runner = loaded[0].runner
+    if reads_keyboard and not runner.reads_input:
         _fail("chat reads the keyboard, which mlx.launch does not forward: pipelined, use `generate --prompt` or `serve`")
-    if loaded[0].pipeline is not None:
-        typer.secho(loaded[0].pipeline.describe(loaded[0].draft), dim=True, err=True)
+    part = runner.describe(loaded[0].draft)
+    if part is not None:
+        typer.secho(part, dim=True, err=True)
     for w in caught:
         typer.secho(f"warning: {w.message}", fg=typer.colors.YELLOW, err=True)
     return loaded
@@ -83,16 +86,14 @@ def _load(model: Optional[str], draft: Optional[str], draft_quant: str, stages: 
 
 @contextmanager
 def _ranks(loaded):
-    """Under mlx.launch: the ranks other than 0 serve rank 0's requests and exit when rank 0 is
-    done; rank 0 runs the command (printing, serving) and then shuts them down."""
+    """This process's role: the leader (one process, or rank 0 under mlx.launch) runs the command
+    (printing, serving) and then closes the runner, which lets the other ranks exit; a follower
+    takes part in the leader's requests until then, and exits."""
     from . import api
     from .pipeline import PeerLost
 
-    pipeline = loaded.pipeline
-    if pipeline is None:
-        yield
-        return
-    if not pipeline.drives:
+    runner = loaded.runner
+    if not runner.leads:
         try:
             api.serve_pipeline(loaded)
         except PeerLost as e:
@@ -106,8 +107,9 @@ def _ranks(loaded):
         _fail(str(e))
     finally:
         if not lost:
-            pipeline.shutdown()
-    _exit_now()
+            runner.close()
+    if not runner.exits_cleanly:
+        _exit_now()
 
 
 def _exit_now() -> None:
@@ -203,7 +205,7 @@ def chat(
     from .chat import ChatSession, run_chat
 
     sampling = _sampling(temp, top_p, top_k, seed, min_p)
-    loaded, tokenizer = _load(model, draft, draft_quant, pipelined=False)
+    loaded, tokenizer = _load(model, draft, draft_quant, reads_keyboard=True)
     _check_block_tokens((loaded, tokenizer), block_tokens)
     generation = dict(max_tokens=max_tokens, block_tokens=block_tokens, **sampling)
     session = ChatSession(loaded, tokenizer, system=system, think=think, generation=generation)
@@ -235,7 +237,7 @@ def generate(
     sampling = _sampling(temp, top_p, top_k, seed, min_p)
     loaded, tokenizer = _load(model, draft, draft_quant, stages, peer_timeout)
     with _ranks(loaded):
-        if prompt is None and loaded.pipeline is not None:
+        if prompt is None and not loaded.runner.reads_input:
             _fail("give the prompt with --prompt: mlx.launch does not forward standard input")
         if prompt is None:  # a file or `echo` ends with a newline that is not part of the request
             prompt = sys.stdin.read().removesuffix("\n")
@@ -343,13 +345,13 @@ def bench(
     loaded, tokenizer = _load(model, draft, draft_quant, stages, peer_timeout)
     with _ranks(loaded):
         if levels is not None:
-            if loaded.pipeline is not None:
+            if not loaded.runner.batches:
                 _fail("--concurrency: a pipelined target serves one request at a time")
             _bench_concurrency(loaded, tokenizer, block_tokens, max_tokens, workloads, levels, repeats, chat_template,
                                mlx_lm)
             return
         _bench(loaded, tokenizer, block_tokens, max_tokens, temp, sampling, workloads, contexts, context, repeats,
-               chat_template, out, plot, mlx_lm and loaded.pipeline is None, draft_quant)
+               chat_template, out, plot, mlx_lm and loaded.runner.holds_whole_target, draft_quant)
 
 
 def _bench_concurrency(loaded, tokenizer, block_tokens, max_tokens, workloads, levels, repeats, chat_template,
@@ -409,7 +411,7 @@ def _bench(loaded, tokenizer, block_tokens, max_tokens, temp, sampling, workload
         bench_lib.find_divergences(runs, bench_lib.prompt_tokens(tokenizer, jobs, chat), bench_lib.target_logits(loaded))
     rows = bench_lib.summarize(runs)
     table = bench_lib.table(rows, show_context=any(contexts), mlx_lm=baseline is not None, sampled=temp > 0,
-                            pass_ms=loaded.pipeline is not None)
+                            pass_ms=loaded.runner.ranks > 1)
     Console(width=None if sys.stdout.isatty() else 150).print(table)
     backend = bench_lib.compute_backend()
     if bench_lib.reference_blas_only(backend):
@@ -421,7 +423,7 @@ def _bench(loaded, tokenizer, block_tokens, max_tokens, temp, sampling, workload
     meta = dict(
         target=str(loaded.target_path), draft=str(loaded.draft_path), draft_kind=loaded.draft_kind, draft_quant=draft_quant, blocks=blocks,
         contexts=contexts, max_tokens=max_tokens, repeats=repeats, date=time.strftime("%Y-%m-%d %H:%M:%S"),
-        backend=backend, ranks=loaded.pipeline.link.size if loaded.pipeline is not None else 1, **sampling,
+        backend=backend, ranks=loaded.runner.ranks, **sampling,
     )
     if out is not None:
         bench_lib.save_json(out, rows, runs, meta)
@@ -505,7 +507,7 @@ def serve(
     loaded, tokenizer = _load(model, draft, draft_quant, stages, peer_timeout)
     with _ranks(loaded):
         _check_block_tokens((loaded, tokenizer), block_tokens)
-        if loaded.pipeline is not None and max_concurrent > 1:
+        if not loaded.runner.batches and max_concurrent > 1:
             typer.secho(f"--max-concurrent {max_concurrent}: a pipelined target serves one generation at a time "
                         "(its ranks run one request's cycle in lockstep); serving with 1", err=True)
             max_concurrent = 1
@@ -730,28 +732,16 @@ def train_draft_command(
         TimeElapsedColumn,
     )
 
-    from .train import DFlash2Shape, TrainConfig, train_draft
+    from .train import DFlash2Shape, TrainConfig, check_run, parse_taps, train_draft
 
-    if arch not in ("dflash", "dflash2"):
-        _fail(f"--arch {arch!r}: choose 'dflash' or 'dflash2'")
-    for name, value in (("--conv-kernel-size", conv_kernel_size), ("--conv-group-size", conv_group_size),
-                        ("--selector-rank", selector_rank), ("--selector-top-k", selector_top_k)):
-        if value < 1:
-            _fail(f"{name} {value}: at least 1")
-    dflash2 = DFlash2Shape(conv_kernel_size, conv_group_size, selector_rank, selector_top_k) if arch == "dflash2" else None
-    try:
-        tap_ids = [int(t) for t in taps.split(",") if t.strip()] or None
-    except ValueError:
-        _fail(f"--taps {taps!r}: expected layer numbers separated by commas")
-    missing = [str(p) for p in data if not p.is_file()]
-    if missing:
-        _fail(f"--data {missing[0]} does not exist")
-    if out.exists() and not resume and any(out.iterdir()):
-        _fail(f"{out} already exists and is not empty (use --resume to continue it, or another --out)")
+    try:  # train's own checks, before the target loads
+        dflash2 = DFlash2Shape.for_arch(arch, conv_kernel_size, conv_group_size, selector_rank, selector_top_k)
+        tap_ids = parse_taps(taps)
+        check_run(data, out, resume, from_draft is not None)
+    except ValueError as e:
+        _fail(str(e))
     start = None
     if from_draft is not None:
-        if resume:
-            _fail("--from-draft starts a new run; --resume continues the one in --out: give one of them")
         shaped = [f"--{name.replace('_', '-')}" for name in ("layers", "taps", "block_size", "mask_token_id",
                                                              "block_only_layers", "causal", "init")
                   if context.get_parameter_source(name).name != "DEFAULT"]

@@ -94,7 +94,7 @@ class Step:
 
     block: int  # rows of it that count (1: a plain step)
     ahead: int = 0  # a shadow's draft tokens beside a plain step
-    drafted: Optional[mx.array] = None
+    proposals: Optional[mx.array] = None  # the draft's tokens for the block
     draft_probs: Optional[mx.array] = None
     shadow: Optional[mx.array] = None
     handed_off: int = 0  # plain steps whose features reached the draft with this cycle
@@ -105,7 +105,7 @@ class Step:
     @property
     def outputs(self) -> List[mx.array]:
         """What the cycle reads back for this sequence."""
-        return [a for a in (self.accepted, self.next_token, self.drafted, self.shadow) if a is not None]
+        return [a for a in (self.accepted, self.next_token, self.proposals, self.shadow) if a is not None]
 
 
 @dataclass(eq=False)
@@ -181,7 +181,7 @@ class Decoder:
             self._draft(drafting)
         fed = []
         for seq, step in zip(batch, steps):
-            tokens = seq.token if step.block == 1 else mx.concatenate([seq.token, step.drafted.astype(seq.token.dtype)])
+            tokens = seq.token if step.block == 1 else mx.concatenate([seq.token, step.proposals.astype(seq.token.dtype)])
             fed.append(tokens if tokens.size == rows else mx.concatenate([tokens, mx.repeat(tokens[-1:], rows - tokens.size)]))
             step.undo = snapshot(seq.cache) if undoable else None
         self.rows = len(batch) * rows
@@ -191,7 +191,7 @@ class Decoder:
             if step.block == 1:
                 step.accepted, step.next_token = None, seq.sampler(logits[i, 0])
             else:
-                step.accepted, step.next_token = accept(logits[i, : step.block], step.drafted, step.draft_probs, seq.sampler)
+                step.accepted, step.next_token = accept(logits[i, : step.block], step.proposals, step.draft_probs, seq.sampler)
         mx.async_eval([s.outputs for s in steps])
         return Pass(list(batch), steps, rows, logits, features, started)
 
@@ -253,18 +253,18 @@ class Decoder:
             proposals = draft.propose_batch(blocks, [seq.draft_cache for seq, _ in drafting], samplers)
         for (seq, step), (tokens, probs) in zip(drafting, proposals):
             if step.block > 1:
-                step.drafted, step.draft_probs = tokens, probs
+                step.proposals, step.draft_probs = tokens, probs
             else:
                 step.shadow = tokens
         # The draft runs while Python builds the verify graph.
-        mx.async_eval([a for _, step in drafting for a in (step.drafted, step.draft_probs, step.shadow) if a is not None])
+        mx.async_eval([a for _, step in drafting for a in (step.proposals, step.draft_probs, step.shadow) if a is not None])
 
     def _commit(self, i: int, seq: Sequence, step: Step, p: Pass, seconds: float) -> Commit:
         accepted = 0 if step.accepted is None else step.accepted.item()
         next_token = step.next_token.item()
         kept = accepted + 1
         if p.rows > 1:
-            rollback(seq.cache, fed=p.rows, keep=kept)
+            rollback(seq.cache, fed=p.rows, kept=kept)
         features = p.features[i : i + 1, :kept] if self.taps else None
         if step.block == 1:
             if self.draft is not None:
@@ -272,7 +272,7 @@ class Decoder:
             commit = Commit([next_token], logprobs(p.logits[i, :1]))
         else:
             self.draft.add_context(features, seq.draft_cache)
-            commit = Commit(step.drafted.tolist()[:accepted] + [next_token], logprobs(p.logits[i, :kept]),
+            commit = Commit(step.proposals.tolist()[:accepted] + [next_token], logprobs(p.logits[i, :kept]),
                             drafted=step.block - 1, accepted=accepted)
         seq.chooser.observe(block=step.block, accepted=accepted, seconds=seconds, committed=commit.tokens,
                             proposals=step.shadow.tolist() if step.shadow is not None else [],

@@ -376,6 +376,31 @@ def diagnose(model: Optional[str] = None, draft: Optional[str] = None, draft_qua
     if metal is None and facts.metal:
         metal = kernels.process_metal_kernels()
     report = Report()
+    _check_device(report, facts)
+    target_dir, draft_dir = _pair_folders(model, draft) if model is not None else (None, None)
+    _check_kernels(report, metal, kernel_shapes or _recurrence_shapes(target_dir))
+    if draft_dir is not None:
+        _describe_draft(report, draft_dir)
+    if target_dir is not None:
+        dtype = device_lib.draft_activation_dtype(facts)
+        report.memory = estimate_memory(target_dir, draft_dir, draft_quant, context, draft_dtype=dtype)
+        budget = int(memory_gb * GiB) if memory_gb else (facts.recommended_working_set or facts.memory_bytes)
+        source = "--memory-gb" if memory_gb else ("MLX's recommended working set" if facts.recommended_working_set else "total memory")
+        if ranks > 1:
+            _check_ranks_fit(report, target_dir, draft_dir, context, budget, source, ranks, stages)
+        elif budget:
+            _check_fit(report, context, budget, source)
+        if draft_dir is not None and probe_tokens > 0:
+            _probe_thinking(report, model, draft, draft_quant, probe_tokens)
+    if tune and model is not None:
+        from . import quantized
+
+        _tune(report, model, draft, draft_quant, matmuls, tuning_cache, measure or quantized.wall_time, facts)
+    return report
+
+
+def _check_device(report: Report, facts: device_lib.DeviceFacts) -> None:
+    """What this machine is and what it runs: device, versions, Metal, memory, draft dtypes."""
     report.add("device", INFO, f"{mx.default_device()} - {facts.name} ({facts.architecture})")
     report.add("GPU family", INFO, facts.family)
     report.add("versions", INFO, f"mlx {_version('mlx')}, mlx-lm {_version('mlx-lm')}, dflash-mlx {_version('dflash-mlx')}")
@@ -390,61 +415,64 @@ def diagnose(model: Optional[str] = None, draft: Optional[str] = None, draft_qua
     report.add("draft context cache", OK, "never quantized (a quantized draft KV cache costs acceptance); "
                "it keeps the target features' dtype")
 
-    shapes = kernel_shapes or [(128, 16, 128, 32), (32, 2, 16, 4)]  # Qwen3.5-9B's and the demo's heads
-    target_dir = draft_dir = None
-    if model is not None:
-        from . import defaults, loading
 
-        model_path, draft_path = defaults.demo(draft) if model == defaults.DEMO else (model, draft)
-        target_dir = loading.resolve_path(model_path)
-        draft_dir = loading.resolve_path(draft_path) if draft_path else None
-        args = loading.read_config(target_dir)
-        text = text_part(args)
-        shapes = kernel_shapes or [(text.get("linear_key_head_dim", 128), text.get("linear_num_key_heads", 16),
-                   text.get("linear_value_head_dim", 128), text.get("linear_num_value_heads", 32))]
-    _check_kernels(report, metal, shapes)
+def _pair_folders(model: str, draft: Optional[str]) -> Tuple[Path, Optional[Path]]:
+    """The target's and the draft's folders (``demo``: the pair shipped in the package)."""
+    from . import defaults, loading
 
-    if draft_dir is not None:
-        from .loading import read_config
-        from .models.dflash import DraftArgs
+    model_path, draft_path = defaults.demo(draft) if model == defaults.DEMO else (model, draft)
+    return loading.resolve_path(model_path), loading.resolve_path(draft_path) if draft_path else None
 
-        draft_args = DraftArgs.from_dict(read_config(draft_dir))
-        kind = "DFlash2" if draft_args.architecture == "DFlash2DraftModel" else "DFlash"
-        report.add("draft", INFO, f"{kind}, block {draft_args.block_size}, {draft_args.num_hidden_layers} layers"
-                   + (f", candidate selector top-{draft_args.selector_top_k} (its codebooks are counted in the draft's weights)"
-                      if kind == "DFlash2" else ""))
-    if target_dir is not None:
-        dtype = device_lib.draft_activation_dtype(facts)
-        report.memory = estimate_memory(target_dir, draft_dir, draft_quant, context, draft_dtype=dtype)
-        need = sum(report.memory.values())
-        budget = int(memory_gb * GiB) if memory_gb else (facts.recommended_working_set or facts.memory_bytes)
-        source = "--memory-gb" if memory_gb else ("MLX's recommended working set" if facts.recommended_working_set else "total memory")
-        if ranks > 1:
-            report.add("fits in memory", INFO, f"in one process the pair needs {_gib(need)} at {context} tokens of context; "
-                       f"pipelined over {ranks} ranks:")
-            for rank, ((start, end), held, caches) in enumerate(pipeline_memory(target_dir, draft_dir, report.memory, ranks, stages)):
-                detail = (f"layers {start}-{end - 1}: {_gib(held)} of weights + {_gib(caches)} of caches = {_gib(held + caches)}"
-                          + (f"; {source} {_gib(budget)} (this machine's)" if budget else ""))
-                fits = not budget or held + caches <= budget
-                report.add(f"rank {rank} of {ranks}", OK if fits else FAIL, detail,
-                           "" if fits else "more ranks, --stages to move layers to a bigger machine, or a 4-bit target")
-        elif budget:
-            headroom = budget - need
-            detail = f"needs {_gib(need)} at {context} tokens of context; {source} {_gib(budget)}; headroom {_gib(headroom)}"
-            if headroom < 0:
-                report.add("fits in memory", FAIL, detail,
-                           "use a 4-bit target (dflash-mlx convert-target --quant w4), --draft-quant w4, or a shorter --context")
-            elif headroom < 0.1 * budget:
-                report.add("fits in memory", WARN, detail, "little headroom: close other apps or use a shorter context")
-            else:
-                report.add("fits in memory", OK, detail)
-        if draft_dir is not None and probe_tokens > 0:
-            _probe_thinking(report, model, draft, draft_quant, probe_tokens)
-    if tune and model is not None:
-        from . import quantized
 
-        _tune(report, model, draft, draft_quant, matmuls, tuning_cache, measure or quantized.wall_time, facts)
-    return report
+def _recurrence_shapes(target_dir: Optional[Path]) -> List[tuple]:
+    """The Gated DeltaNet heads (Dk, Hk, Dv, Hv) to self-check the kernels on: the target's, or
+    without one Qwen3.5-9B's and the demo's."""
+    if target_dir is None:
+        return [(128, 16, 128, 32), (32, 2, 16, 4)]
+    from . import loading
+
+    text = text_part(loading.read_config(target_dir))
+    return [(text.get("linear_key_head_dim", 128), text.get("linear_num_key_heads", 16),
+             text.get("linear_value_head_dim", 128), text.get("linear_num_value_heads", 32))]
+
+
+def _describe_draft(report: Report, draft_dir: Path) -> None:
+    from .loading import read_config
+    from .models.dflash import DraftArgs
+
+    draft_args = DraftArgs.from_dict(read_config(draft_dir))
+    kind = "DFlash2" if draft_args.architecture == "DFlash2DraftModel" else "DFlash"
+    report.add("draft", INFO, f"{kind}, block {draft_args.block_size}, {draft_args.num_hidden_layers} layers"
+               + (f", candidate selector top-{draft_args.selector_top_k} (its codebooks are counted in the draft's weights)"
+                  if kind == "DFlash2" else ""))
+
+
+def _check_fit(report: Report, context: int, budget: int, source: str) -> None:
+    """Whether the pair's weights and caches (``report.memory``) fit this machine's ``budget``."""
+    need = sum(report.memory.values())
+    headroom = budget - need
+    detail = f"needs {_gib(need)} at {context} tokens of context; {source} {_gib(budget)}; headroom {_gib(headroom)}"
+    if headroom < 0:
+        report.add("fits in memory", FAIL, detail,
+                   "use a 4-bit target (dflash-mlx convert-target --quant w4), --draft-quant w4, or a shorter --context")
+    elif headroom < 0.1 * budget:
+        report.add("fits in memory", WARN, detail, "little headroom: close other apps or use a shorter context")
+    else:
+        report.add("fits in memory", OK, detail)
+
+
+def _check_ranks_fit(report: Report, target_dir: Path, draft_dir: Optional[Path], context: int, budget: Optional[int],
+                     source: str, ranks: int, stages: Optional[List[int]]) -> None:
+    """Whether each rank of the pair pipelined over ``ranks`` fits a machine like this one."""
+    need = sum(report.memory.values())
+    report.add("fits in memory", INFO, f"in one process the pair needs {_gib(need)} at {context} tokens of context; "
+               f"pipelined over {ranks} ranks:")
+    for rank, ((start, end), held, caches) in enumerate(pipeline_memory(target_dir, draft_dir, report.memory, ranks, stages)):
+        detail = (f"layers {start}-{end - 1}: {_gib(held)} of weights + {_gib(caches)} of caches = {_gib(held + caches)}"
+                  + (f"; {source} {_gib(budget)} (this machine's)" if budget else ""))
+        fits = not budget or held + caches <= budget
+        report.add(f"rank {rank} of {ranks}", OK if fits else FAIL, detail,
+                   "" if fits else "more ranks, --stages to move layers to a bigger machine, or a 4-bit target")
 
 
 def render(report: Report) -> List[str]:

@@ -37,15 +37,15 @@ class PromptCache:
         self.draft_cache: Optional[list] = None
         self.owner: Optional[Tuple[int, int]] = None
         self.checkpoints: Dict[int, list] = {}
-        self.spread = checkpoints
-        self.keep: Set[int] = set()  # the latest request's own checkpoints, never thinned away
+        self.evenly_spaced = checkpoints  # checkpoints spread evenly over a prompt
+        self.pinned: Set[int] = set()  # positions of the latest request's own checkpoints, never thinned away
         self._prompt: List[int] = []  # the prompt being prefilled, and where its checkpoints go
         self._plan: Set[int] = set()
 
     def reset(self) -> None:
         self.tokens, self.cache, self.draft_cache, self.owner = [], None, None, None
         self.checkpoints.clear()
-        self.keep, self._plan = set(), set()
+        self.pinned, self._plan = set(), set()
 
     def _gdn_states(self) -> list:
         return [(c.conv_state, c.state) for c in self.cache if isinstance(c, GatedDeltaCache)]
@@ -100,13 +100,13 @@ class PromptCache:
                     c.trim(c.offset - start)
             self.tokens = self.tokens[:start]
             self.checkpoints = {p: s for p, s in self.checkpoints.items() if p <= start}
-        step = math.ceil(len(prompt) / self.spread)
+        step = math.ceil(len(prompt) / self.evenly_spaced)
         # The request's own checkpoints stay through thinning, also those it restarts from: else
         # resending the same prompt twice could thin away the point the third send needs.
-        self.keep = {p for p in (*wanted, len(prompt) - 1) if 0 < p < len(prompt) and (p >= start or p in self.checkpoints)}
-        if start in self.keep and start not in self.checkpoints:
+        self.pinned = {p for p in (*wanted, len(prompt) - 1) if 0 < p < len(prompt) and (p >= start or p in self.checkpoints)}
+        if start in self.pinned and start not in self.checkpoints:
             self.checkpoint(start)  # restarting from the live state, which this prefill moves on
-        self._plan = {p for p in (*(j * step for j in range(1, self.spread)), *self.keep) if start < p < len(prompt)}
+        self._plan = {p for p in (*(j * step for j in range(1, self.evenly_spaced)), *self.pinned) if start < p < len(prompt)}
         self._prompt = list(prompt)
         return start
 
@@ -121,7 +121,7 @@ class PromptCache:
         if position in self._plan:
             self.checkpoint(position)
         if position == len(self._prompt):
-            chosen = spread(self.checkpoints, self.keep, position, self.spread + len(self.keep))
+            chosen = spread(self.checkpoints, self.pinned, position, self.evenly_spaced + len(self.pinned))
             self.checkpoints = {p: s for p, s in self.checkpoints.items() if p in chosen}
 
     def extend(self, tokens: List[int]) -> None:
@@ -148,7 +148,7 @@ class PromptCache:
         if start == 0 or (draft_cache is not None and None in draft_cache):
             return None
         states = iter(self._states_at(start))
-        new = PromptCache(self.spread)
+        new = PromptCache(self.evenly_spaced)
         new.owner, new.tokens, new.draft_cache = self.owner, self.tokens[:start], draft_cache
         new.checkpoints = {p: s for p, s in self.checkpoints.items() if p <= start}
         new.cache = []

@@ -174,9 +174,9 @@ def propose(draft_logits: mx.array, sampler: Sampler) -> Tuple[mx.array, mx.arra
 
 
 def accept(
-    target_logits: mx.array, drafted: mx.array, draft_probs: mx.array | None, sampler: Sampler
+    target_logits: mx.array, proposals: mx.array, draft_probs: mx.array | None, sampler: Sampler
 ) -> Tuple[mx.array, mx.array]:
-    """How many drafted tokens survive, and the target's token after them.
+    """How many of the draft's ``proposals`` survive, and the target's token after them.
 
     ``target_logits`` [n+1, V] are the verify logits over ``[t_last, d_1..d_n]``; row i
     predicts the token after position i. Greedy: the longest prefix where ``d_i`` is the
@@ -185,12 +185,12 @@ def accept(
     all are accepted draw the bonus from the last row), every draw with the sampler's keys.
     Both results stay on the device.
     """
-    n = drafted.shape[0]
+    n = proposals.shape[0]
     if sampler.greedy:
-        return _greedy_accept(target_logits, drafted)
+        return _greedy_accept(target_logits, proposals)
     p = sampler.probs(target_logits)
-    p_d = mx.take_along_axis(p[:n], drafted[:, None], axis=-1)[:, 0]
-    q_d = mx.take_along_axis(draft_probs, drafted[:, None], axis=-1)[:, 0]
+    p_d = mx.take_along_axis(p[:n], proposals[:, None], axis=-1)[:, 0]
+    q_d = mx.take_along_axis(draft_probs, proposals[:, None], axis=-1)[:, 0]
     ok = mx.random.uniform(shape=(n,), key=sampler.key()) * q_d < p_d
     accepted = mx.cumprod(ok.astype(mx.int32)).sum()
     residual = mx.maximum(p[:n] - draft_probs, 0.0)
@@ -202,10 +202,10 @@ def accept(
 
 
 @mx.compile
-def _greedy_accept(target_logits: mx.array, drafted: mx.array) -> Tuple[mx.array, mx.array]:
+def _greedy_accept(target_logits: mx.array, proposals: mx.array) -> Tuple[mx.array, mx.array]:
     # Compiled: a handful of tiny ops per cycle cost more to dispatch than to run on CPU.
     choice = mx.argmax(target_logits, axis=-1)
-    accepted = mx.cumprod((drafted == choice[: drafted.shape[0]]).astype(mx.int32)).sum()
+    accepted = mx.cumprod((proposals == choice[: proposals.shape[0]]).astype(mx.int32)).sum()
     return accepted, choice[accepted]
 
 

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, Generator, List, Optional, Sequence, Union
 
 
-from .api import DFlashModel, GenerationResponse, Responder, _drafting, encode_prompt
+from .api import DFlashModel, GenerationResponse, Responder, encode_prompt
 from .decoder import Decoder, batch_min_rows, batch_row_limit, Sequence as DecodeSequence
 from .block_policy import BlockTokens, FixedBlock
 from .prompt_cache import PromptCache, PromptCachePool
+from .runner import drafting
 from .sampling import Sampler
 
 # Prompt tokens per prefill chunk in the batch. One chunk runs per round, between the active
@@ -82,7 +83,7 @@ class Scheduler:
             raise ValueError(f"max_active {max_active}: a pass takes at most {row_limit} rows on this device, at least "
                              f"{batch_min_rows()} per sequence (docs/design.md, 'Batched decoding'): at most "
                              f"{row_limit // batch_min_rows()} at once")
-        if model.pipeline is not None:
+        if not model.runner.batches:
             raise ValueError("a pipelined target decodes one request at a time: batching needs every layer here")
         self.model, self.tokenizer, self.max_active = model, tokenizer, max_active
         self.prompt_cache = prompt_cache
@@ -139,7 +140,7 @@ class Scheduler:
                 raise ValueError(f"max_tokens must be at least 1, got {r.max_tokens}")
             model = self.model
             sampler = Sampler(r.temp, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p).for_request(r.seed)
-            draft, chooser = _drafting(model, sampler, BlockTokens.parse(r.block_tokens), r.use_draft, r.seed)
+            draft, chooser = drafting(model, sampler, BlockTokens.parse(r.block_tokens), r.use_draft, r.seed)
             chooser = chooser if chooser is None or hasattr(chooser, "choose") else FixedBlock(chooser)
             ids = encode_prompt(self.tokenizer, r.prompt, r.enable_thinking)
             history = self.prompt_cache.take(ids.tolist()) if self.prompt_cache is not None else None

@@ -16,7 +16,7 @@ import resource
 import shutil
 import sys
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,9 +28,6 @@ from .errors import ConversionError
 from .quant import parse_quant
 
 SHARD_BYTES = 512 * 1024**2
-# mlx-community's recipe for the mixture of experts: the router and the shared expert's gate stay
-# at 8 bits, group 64 (their rows decide which experts run).
-EIGHT_BIT_MODULES = ("mlp.gate", "mlp.shared_expert_gate")
 
 
 def peak_resident_bytes() -> int:
@@ -103,15 +100,31 @@ def quantize_from_file(reader, group_size: int, bits: int, chunk_bytes: int = CH
     return _quantize_slices(N, K, dtype.size, rows, group_size, bits, chunk_bytes)
 
 
-def _quantized_form(path: str, module: nn.Module, weight: mx.array, bits: int, group_size: int) -> Optional[dict]:
-    """How a module's weight is quantized (None: kept as it is), as mlx-lm's converter decides."""
-    if not hasattr(module, "to_quantized") or weight.ndim < 2:
+Predicate = Callable[[str, nn.Module], Union[bool, dict]]
+
+
+def quant_predicate(config: Dict) -> Optional[Predicate]:
+    """mlx-lm's own recipe for this target, its model's ``quant_predicate`` (a mixture of experts
+    keeps the router and the shared expert's gate at 8 bits, group 64: their rows decide which
+    experts run; None for a dense target). Imported here only: it pulls in transformers."""
+    from mlx_lm.models import qwen3_5 as mlx_lm_qwen3_5
+
+    args = mlx_lm_qwen3_5.TextModelArgs.from_dict(dict(text_part(config)))
+    return mlx_lm_qwen3_5.TextModel(args).quant_predicate  # the module tree is lazy: nothing is computed
+
+
+def _quantized_form(path: str, module: nn.Module, weight: mx.array, bits: int, group_size: int,
+                    predicate: Optional[Predicate]) -> Optional[dict]:
+    """How a module's weight is quantized (None: kept as it is), as mlx-lm's converter decides
+    (``mlx_lm.utils.quantize_model``: quantizable, rows a whole number of groups, then the model's
+    ``predicate``)."""
+    if not hasattr(module, "to_quantized") or weight.ndim < 2 or weight.shape[-1] % group_size:
         return None
-    if path.endswith(EIGHT_BIT_MODULES):
-        bits, group_size = 8, 64
-    if weight.shape[-1] % group_size:
+    form = predicate(path, module) if predicate is not None else True
+    if not form:
         return None
-    return {"bits": bits, "group_size": group_size}
+    form = form if isinstance(form, dict) else {"bits": bits, "group_size": group_size}
+    return None if weight.shape[-1] % form["group_size"] else form
 
 
 def _skeleton(config: Dict):
@@ -139,6 +152,7 @@ def convert_tensors(source: Path, config: Dict, staging: Path, quant: Optional[t
                                       f"unexpected {unknown[:3]})")
     bits, group_size = quant or (None, None)
     direct = row_readers(source, module_path, direct_read_bytes) if quant else {}
+    predicate = quant_predicate(config) if quant else None
     overrides: Dict[str, dict] = {}
     shard: Dict[str, mx.array] = {}
     shard_size, files, weight_map = 0, [], {}
@@ -158,7 +172,7 @@ def convert_tensors(source: Path, config: Dict, staging: Path, quant: Optional[t
     for i, key in enumerate(names):
         value = weights.pop(key)  # dropped from the graph's roots: freed once written
         path, _, leaf = key.rpartition(".")
-        form = _quantized_form(path, modules.get(path), value, bits, group_size) if quant and leaf == "weight" else None
+        form = _quantized_form(path, modules.get(path), value, bits, group_size, predicate) if quant and leaf == "weight" else None
         if form is None:
             out = {key: value}
         else:
@@ -168,7 +182,7 @@ def convert_tensors(source: Path, config: Dict, staging: Path, quant: Optional[t
                 w, scales, biases = quantize_rows(value, form["group_size"], form["bits"])
             out = {key: w, f"{path}.scales": scales, f"{path}.biases": biases}
             if (form["bits"], form["group_size"]) != (bits, group_size):
-                overrides[path] = form
+                overrides[path] = {"bits": form["bits"], "group_size": form["group_size"]}
         mx.eval(out)
         del value
         mx.clear_cache()  # the source tensor's buffer goes back to the system, not to MLX's cache

@@ -3,7 +3,9 @@
 Weights cannot be downloaded everywhere (CI, air-gapped machines), yet the loaders, the
 loop and the CLI must run on real files: these writers produce a Hugging Face Qwen3.5
 text checkpoint, a z-lab DFlash draft (either config schema) and a byte-level tokenizer
-with a chat template, small enough to run on a CPU in milliseconds.
+with a chat template, small enough to run on a CPU in milliseconds. At run time they write the
+scripted pair (``scripted``: ``dflash-mlx agent --model scripted``); the tests and examples use
+them too.
 """
 
 from __future__ import annotations
@@ -83,7 +85,8 @@ def target_config(vocab_size: int = 512, **overrides) -> Dict:
     return config
 
 
-def _normal(rng, shape, scale):
+def normal(rng, shape, scale) -> np.ndarray:
+    """Random float32 weights of ``shape``, standard normal times ``scale``."""
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
@@ -98,35 +101,35 @@ def write_target(path: Path, config: Optional[Dict] = None, seed: int = 0) -> Di
     hv = config["linear_num_value_heads"]
     nh, nkv, hd = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
     K = config["linear_conv_kernel_dim"]
-    w = {"model.embed_tokens.weight": _normal(rng, (V, H), 0.5), "model.norm.weight": _normal(rng, (H,), 0.1)}
+    w = {"model.embed_tokens.weight": normal(rng, (V, H), 0.5), "model.norm.weight": normal(rng, (H,), 0.1)}
     if not config["tie_word_embeddings"]:
-        w["lm_head.weight"] = _normal(rng, (V, H), H**-0.5)
+        w["lm_head.weight"] = normal(rng, (V, H), H**-0.5)
     for i, kind in enumerate(config["layer_types"]):
         p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = _normal(rng, (H,), 0.1)
-        w[p + "post_attention_layernorm.weight"] = _normal(rng, (H,), 0.1)
-        w[p + "mlp.gate_proj.weight"] = _normal(rng, (I, H), H**-0.5)
-        w[p + "mlp.up_proj.weight"] = _normal(rng, (I, H), H**-0.5)
-        w[p + "mlp.down_proj.weight"] = _normal(rng, (H, I), I**-0.5)
+        w[p + "input_layernorm.weight"] = normal(rng, (H,), 0.1)
+        w[p + "post_attention_layernorm.weight"] = normal(rng, (H,), 0.1)
+        w[p + "mlp.gate_proj.weight"] = normal(rng, (I, H), H**-0.5)
+        w[p + "mlp.up_proj.weight"] = normal(rng, (I, H), H**-0.5)
+        w[p + "mlp.down_proj.weight"] = normal(rng, (H, I), I**-0.5)
         if kind == "linear_attention":
             a = p + "linear_attn."
-            w[a + "in_proj_qkv.weight"] = _normal(rng, (2 * kd + vd, H), H**-0.5)
-            w[a + "in_proj_z.weight"] = _normal(rng, (vd, H), H**-0.5)
-            w[a + "in_proj_b.weight"] = _normal(rng, (hv, H), H**-0.5)
-            w[a + "in_proj_a.weight"] = _normal(rng, (hv, H), H**-0.5)
-            w[a + "conv1d.weight"] = _normal(rng, (2 * kd + vd, 1, K), 0.5)
+            w[a + "in_proj_qkv.weight"] = normal(rng, (2 * kd + vd, H), H**-0.5)
+            w[a + "in_proj_z.weight"] = normal(rng, (vd, H), H**-0.5)
+            w[a + "in_proj_b.weight"] = normal(rng, (hv, H), H**-0.5)
+            w[a + "in_proj_a.weight"] = normal(rng, (hv, H), H**-0.5)
+            w[a + "conv1d.weight"] = normal(rng, (2 * kd + vd, 1, K), 0.5)
             w[a + "dt_bias"] = np.ones(hv, np.float32)
             w[a + "A_log"] = np.log(rng.uniform(1, 16, hv)).astype(np.float32)
-            w[a + "norm.weight"] = 1.0 + _normal(rng, (config["linear_value_head_dim"],), 0.1)
-            w[a + "out_proj.weight"] = _normal(rng, (H, vd), vd**-0.5)
+            w[a + "norm.weight"] = 1.0 + normal(rng, (config["linear_value_head_dim"],), 0.1)
+            w[a + "out_proj.weight"] = normal(rng, (H, vd), vd**-0.5)
         else:
             a = p + "self_attn."
-            w[a + "q_proj.weight"] = _normal(rng, (2 * nh * hd, H), H**-0.5)
-            w[a + "k_proj.weight"] = _normal(rng, (nkv * hd, H), H**-0.5)
-            w[a + "v_proj.weight"] = _normal(rng, (nkv * hd, H), H**-0.5)
-            w[a + "o_proj.weight"] = _normal(rng, (H, nh * hd), (nh * hd) ** -0.5)
-            w[a + "q_norm.weight"] = _normal(rng, (hd,), 0.1)
-            w[a + "k_norm.weight"] = _normal(rng, (hd,), 0.1)
+            w[a + "q_proj.weight"] = normal(rng, (2 * nh * hd, H), H**-0.5)
+            w[a + "k_proj.weight"] = normal(rng, (nkv * hd, H), H**-0.5)
+            w[a + "v_proj.weight"] = normal(rng, (nkv * hd, H), H**-0.5)
+            w[a + "o_proj.weight"] = normal(rng, (H, nh * hd), (nh * hd) ** -0.5)
+            w[a + "q_norm.weight"] = normal(rng, (hd,), 0.1)
+            w[a + "k_norm.weight"] = normal(rng, (hd,), 0.1)
     path.mkdir(parents=True, exist_ok=True)
     save_file(w, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2))
@@ -188,63 +191,26 @@ def write_draft(path: Path, config: Dict, seed: int = 1, dtype=np.float32) -> Di
     nh, nkv, hd = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
     n_taps = len(config["dflash_config"]["target_layer_ids"])
     w = {
-        "fc.weight": _normal(rng, (H, n_taps * H), (n_taps * H) ** -0.5),
-        "hidden_norm.weight": 1.0 + _normal(rng, (H,), 0.1),
-        "norm.weight": 1.0 + _normal(rng, (H,), 0.1),
+        "fc.weight": normal(rng, (H, n_taps * H), (n_taps * H) ** -0.5),
+        "hidden_norm.weight": 1.0 + normal(rng, (H,), 0.1),
+        "norm.weight": 1.0 + normal(rng, (H,), 0.1),
     }
     for i in range(config["num_hidden_layers"]):
         p = f"layers.{i}."
-        w[p + "input_layernorm.weight"] = 1.0 + _normal(rng, (H,), 0.1)
-        w[p + "post_attention_layernorm.weight"] = 1.0 + _normal(rng, (H,), 0.1)
-        w[p + "self_attn.q_proj.weight"] = _normal(rng, (nh * hd, H), H**-0.5)
-        w[p + "self_attn.k_proj.weight"] = _normal(rng, (nkv * hd, H), H**-0.5)
-        w[p + "self_attn.v_proj.weight"] = _normal(rng, (nkv * hd, H), H**-0.5)
-        w[p + "self_attn.o_proj.weight"] = _normal(rng, (H, nh * hd), (nh * hd) ** -0.5)
-        w[p + "self_attn.q_norm.weight"] = 1.0 + _normal(rng, (hd,), 0.1)
-        w[p + "self_attn.k_norm.weight"] = 1.0 + _normal(rng, (hd,), 0.1)
-        w[p + "mlp.gate_proj.weight"] = _normal(rng, (I, H), H**-0.5)
-        w[p + "mlp.up_proj.weight"] = _normal(rng, (I, H), H**-0.5)
-        w[p + "mlp.down_proj.weight"] = _normal(rng, (H, I), I**-0.5)
+        w[p + "input_layernorm.weight"] = 1.0 + normal(rng, (H,), 0.1)
+        w[p + "post_attention_layernorm.weight"] = 1.0 + normal(rng, (H,), 0.1)
+        w[p + "self_attn.q_proj.weight"] = normal(rng, (nh * hd, H), H**-0.5)
+        w[p + "self_attn.k_proj.weight"] = normal(rng, (nkv * hd, H), H**-0.5)
+        w[p + "self_attn.v_proj.weight"] = normal(rng, (nkv * hd, H), H**-0.5)
+        w[p + "self_attn.o_proj.weight"] = normal(rng, (H, nh * hd), (nh * hd) ** -0.5)
+        w[p + "self_attn.q_norm.weight"] = 1.0 + normal(rng, (hd,), 0.1)
+        w[p + "self_attn.k_norm.weight"] = 1.0 + normal(rng, (hd,), 0.1)
+        w[p + "mlp.gate_proj.weight"] = normal(rng, (I, H), H**-0.5)
+        w[p + "mlp.up_proj.weight"] = normal(rng, (I, H), H**-0.5)
+        w[p + "mlp.down_proj.weight"] = normal(rng, (H, I), I**-0.5)
     path.mkdir(parents=True, exist_ok=True)
     save_file({k: v.astype(dtype) for k, v in w.items()}, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    return config
-
-
-def dflash2_config(target: Dict, num_layers: int = 2, block_size: int = 8, sliding_window: int = 64,
-                   conv_kernel_size: int = 2, conv_group_size: int = 16, selector_rank: int = 16,
-                   selector_top_k: int = 8, **dflash) -> Dict:
-    """A z-lab DFlash2 config for ``target`` (the published drafter's schema: every layer
-    ``sliding_attention``, bidirectional inside the block, conv and selector under ``dflash_config``)."""
-    config = draft_config(target, num_layers=num_layers, block_size=block_size, sliding_window=sliding_window,
-                          layer_types=["sliding_attention"] * num_layers, is_causal=False)
-    config["architectures"] = ["DFlash2DraftModel"]
-    config["dflash_config"].update(conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size,
-                                   selector_rank=selector_rank, selector_top_k=selector_top_k, **dflash)
-    return config
-
-
-def write_dflash2_draft(path: Path, config: Dict, seed: int = 1, dtype=np.float32) -> Dict:
-    """Random DFlash2 weights in z-lab's layout: DFlash's, plus each layer's two convolutions and the
-    candidate selector (its codebooks stored without ``.weight``)."""
-    write_draft(path, config, seed=seed, dtype=dtype)
-    from safetensors.numpy import load_file
-
-    w = load_file(str(path / "model.safetensors"))
-    rng = np.random.default_rng(seed + 1000)
-    H, V = config["hidden_size"], config["vocab_size"]
-    d = config["dflash_config"]
-    K, G, R = d["conv_kernel_size"], d["conv_group_size"], d["selector_rank"]
-    for i in range(config["num_hidden_layers"]):
-        for conv in ("attention_conv", "mlp_conv"):
-            base = _normal(rng, (2, K, H), 0.3)
-            base[:, 0] += 1.0  # near the identity, as a trained one starts
-            w[f"layers.{i}.{conv}.base_kernel"] = base
-            w[f"layers.{i}.{conv}.kernel_projection.weight"] = _normal(rng, (2 * K * H // G, H), 0.1 * H**-0.5)
-    w["candidate_selector.hidden_projection.weight"] = _normal(rng, (R, H), H**-0.5)
-    w["candidate_selector.predecessor_codebook"] = _normal(rng, (V, R), 1.0)
-    w["candidate_selector.successor_codebook"] = _normal(rng, (V, R), 1.0)
-    save_file({k: v.astype(dtype) for k, v in w.items()}, str(path / "model.safetensors"))
     return config
 
 

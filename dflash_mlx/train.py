@@ -19,7 +19,7 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -50,6 +50,30 @@ class TrainConfig:
     answers_only: bool = False  # anchors only in assistant answers, one chat per window from its start
 
 
+ARCHS = ("dflash", "dflash2")
+
+
+def parse_taps(text: str) -> Optional[List[int]]:
+    """``--taps 1,3,5``: the target layers the draft reads (None when empty: spread evenly)."""
+    try:
+        return [int(t) for t in text.split(",") if t.strip()] or None
+    except ValueError:
+        raise ValueError(f"--taps {text!r}: expected layer numbers separated by commas") from None
+
+
+def check_run(corpus: Sequence[Path], out: Path, resume: bool, from_draft: bool) -> None:
+    """Refuse a run that cannot start, before the target loads, naming the flag: a missing data
+    file, an output folder that holds something else (a new run would overwrite it), a new start
+    from a draft that is also a resume."""
+    missing = [str(p) for p in corpus if not Path(p).is_file()]
+    if missing:
+        raise ValueError(f"--data {missing[0]} does not exist")
+    if out.exists() and not resume and any(out.iterdir()):
+        raise ValueError(f"{out} already exists and is not empty (use --resume to continue it, or another --out)")
+    if from_draft and resume:
+        raise ValueError("--from-draft starts a new run; --resume continues the one in --out: give one of them")
+
+
 @dataclass
 class DFlash2Shape:
     """The DFlash2 parts of a new draft (``--arch dflash2``): z-lab's published drafter uses
@@ -59,6 +83,20 @@ class DFlash2Shape:
     conv_group_size: int = 16
     selector_rank: int = 256
     selector_top_k: int = 16
+
+    def __post_init__(self):
+        for flag, value in (("--conv-kernel-size", self.conv_kernel_size), ("--conv-group-size", self.conv_group_size),
+                            ("--selector-rank", self.selector_rank), ("--selector-top-k", self.selector_top_k)):
+            if value < 1:
+                raise ValueError(f"{flag} {value}: at least 1")
+
+    @classmethod
+    def for_arch(cls, arch: str, *sizes: int) -> Optional["DFlash2Shape"]:
+        """``--arch``'s shape: None for ``dflash``; the sizes are checked whichever it is."""
+        if arch not in ARCHS:
+            raise ValueError(f"--arch {arch!r}: choose 'dflash' or 'dflash2'")
+        shape = cls(*sizes)
+        return shape if arch == "dflash2" else None
 
     def check(self, target_args) -> None:
         """Refuse a shape the target cannot take, naming the flag."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Dict
 
 import mlx.core as mx
 import numpy as np
@@ -157,3 +158,40 @@ def training_setup(root: Path):
     corpus.write_text(tiny._CORPUS * 20)
     model, tokenizer = load(str(target_dir))
     return target_dir, corpus, model, tokenizer
+
+
+def dflash2_config(target: Dict, num_layers: int = 2, block_size: int = 8, sliding_window: int = 64,
+                   conv_kernel_size: int = 2, conv_group_size: int = 16, selector_rank: int = 16,
+                   selector_top_k: int = 8, **dflash) -> Dict:
+    """A z-lab DFlash2 config for ``target`` (the published drafter's schema: every layer
+    ``sliding_attention``, bidirectional inside the block, conv and selector under ``dflash_config``)."""
+    config = tiny.draft_config(target, num_layers=num_layers, block_size=block_size, sliding_window=sliding_window,
+                          layer_types=["sliding_attention"] * num_layers, is_causal=False)
+    config["architectures"] = ["DFlash2DraftModel"]
+    config["dflash_config"].update(conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size,
+                                   selector_rank=selector_rank, selector_top_k=selector_top_k, **dflash)
+    return config
+
+
+def write_dflash2_draft(path: Path, config: Dict, seed: int = 1, dtype=np.float32) -> Dict:
+    """Random DFlash2 weights in z-lab's layout: DFlash's, plus each layer's two convolutions and the
+    candidate selector (its codebooks stored without ``.weight``)."""
+    tiny.write_draft(path, config, seed=seed, dtype=dtype)
+    from safetensors.numpy import load_file, save_file
+
+    w = load_file(str(path / "model.safetensors"))
+    rng = np.random.default_rng(seed + 1000)
+    H, V = config["hidden_size"], config["vocab_size"]
+    d = config["dflash_config"]
+    K, G, R = d["conv_kernel_size"], d["conv_group_size"], d["selector_rank"]
+    for i in range(config["num_hidden_layers"]):
+        for conv in ("attention_conv", "mlp_conv"):
+            base = tiny.normal(rng, (2, K, H), 0.3)
+            base[:, 0] += 1.0  # near the identity, as a trained one starts
+            w[f"layers.{i}.{conv}.base_kernel"] = base
+            w[f"layers.{i}.{conv}.kernel_projection.weight"] = tiny.normal(rng, (2 * K * H // G, H), 0.1 * H**-0.5)
+    w["candidate_selector.hidden_projection.weight"] = tiny.normal(rng, (R, H), H**-0.5)
+    w["candidate_selector.predecessor_codebook"] = tiny.normal(rng, (V, R), 1.0)
+    w["candidate_selector.successor_codebook"] = tiny.normal(rng, (V, R), 1.0)
+    save_file({k: v.astype(dtype) for k, v in w.items()}, str(path / "model.safetensors"))
+    return config

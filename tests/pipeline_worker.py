@@ -31,7 +31,7 @@ from tests.test_lossless import OracleDraft, _cache_tensors  # noqa: E402
 def cache_difference(model, full_target, sequence) -> float:
     """Largest difference between this rank's caches and those of feeding the committed tokens
     (as many as the caches hold) directly through the whole target."""
-    pipeline = model.pipeline
+    pipeline = model.runner.pipeline
     held = pipeline.cache[0].offset
     direct = full_target.make_cache()
     full_target(mx.array(sequence[:held])[None], direct)
@@ -50,7 +50,7 @@ def main(spec_path: str, out: str) -> int:
     stages = (spec.get("stages") or {}).get(os.environ["MLX_RANK"])  # per rank: a disagreement is an error
     model, tokenizer = dflash_mlx.load(spec["target"], draft=spec["draft"], peer_timeout=spec.get("peer_timeout", 30),
                                        stages=stages)
-    pipeline = model.pipeline
+    pipeline = model.runner.pipeline
     full_target, _ = load_target(Path(spec["target"]))
     if spec.get("emulated_metal"):  # every rank runs the Gated DeltaNet kernels a Mac runs, emulated
         from tests.test_emulated_metal import emulated_recurrence

@@ -204,3 +204,30 @@ def test_load_errors(tmp_path):
         load(str(target_dir), draft=str(draft_dir), draft_quant="w5:gs7")
     model, _ = load(str(target_dir), draft=str(draft_dir), draft_quant="w4:gs32")
     assert model.draft.fc.bits == 4
+
+
+def test_a_request_sent_round_a_pipeline_decodes_on_the_last_rank_as_here(pair):
+    """What rank 0 sends the last rank (``DecodeRequest.message``, through JSON) rebuilds a request
+    that decodes the tokens the request decodes in one process: sampled with filters and a seed,
+    drafted or not (the pipelined runs in test_pipeline.py check this end to end, slowly)."""
+    import json
+
+    from dflash_mlx.api import encode_prompt
+    from dflash_mlx.block_policy import BlockTokens
+    from dflash_mlx.runner import DecodeRequest, decode, drafting
+
+    model, tokenizer = pair
+
+    def tokens(request):
+        draft, chooser = drafting(model, request.sampler, BlockTokens.parse(request.block_tokens), request.use_draft,
+                                  request.seed)
+        return [t for c in decode(model.target, draft, chooser, model.draft_window, request, request.prompt)
+                for t in c.tokens]
+
+    ids = encode_prompt(tokenizer, "def fibonacci(n):")
+    for use_draft, block in ((True, 4), (False, "auto")):
+        sampler = Sampler(1.5, top_p=0.95, top_k=50, min_p=0.01)
+        here = DecodeRequest(ids, 24, block, sampler.for_request(11), 11, use_draft, 5, set(tokenizer.eos_token_ids))
+        sent = DecodeRequest.from_message(json.loads(json.dumps(here.message())))
+        assert sent.sampler.settings() == sampler.settings()
+        assert tokens(sent) == tokens(here)

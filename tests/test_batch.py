@@ -24,7 +24,7 @@ from dflash_mlx.loading import load_target
 from dflash_mlx.sampling import Sampler, propose
 from dflash_mlx.scheduler import BatchRequest, Scheduler, batch_generate
 from dflash_mlx.speculative import target_only
-from tests.conftest import VOCAB, make_draft, make_hf_moe_target, random_prompts
+from tests.conftest import VOCAB, dflash2_config, make_draft, make_hf_moe_target, random_prompts, write_dflash2_draft
 from tests.test_lossless import assert_lossless, take
 
 GREEDY = Sampler()
@@ -227,7 +227,7 @@ def test_one_draft_pass_proposes_what_each_block_gets_alone(tmp_path, target, ta
     if kind == "DFlash":
         draft = make_draft(tmp_path, target, target_config, block_size=8)
     else:
-        tiny.write_dflash2_draft(tmp_path, tiny.dflash2_config(target_config, block_size=8, sliding_window=20), seed=3)
+        write_dflash2_draft(tmp_path, dflash2_config(target_config, block_size=8, sliding_window=20), seed=3)
         draft = loading.load_draft(tmp_path)[0].bind(target)
     width = len(draft.target_layer_ids) * target_config["hidden_size"]
     contexts = [5, 31, 12]
@@ -533,9 +533,10 @@ def test_the_engine_refuses_to_batch_a_pipelined_target_and_bad_settings():
     refused with the reason (``serve`` under mlx.launch then runs with 1 and says so)."""
     import types
 
+    from dflash_mlx.runner import Pipelined
     from dflash_mlx.server.engine import Engine
 
-    pipelined = types.SimpleNamespace(pipeline=object())
+    pipelined = types.SimpleNamespace(runner=Pipelined(pipeline=object()))
     with pytest.raises(ValueError, match="a pipelined target serves one generation at a time"):
         Engine(pipelined, None, "m", max_concurrent=2)
     with pytest.raises(ValueError, match="max_concurrent must be at least 1, got 0"):

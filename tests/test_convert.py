@@ -265,6 +265,32 @@ def test_moe_target_conversion(tmp_path, layout):
         np.testing.assert_array_equal(np.array(got[key]), np.array(want[key]), err_msg=key)
 
 
+def test_moe_target_conversion_equals_mlx_lm_convert(tmp_path):
+    """Our 4-bit MoE conversion writes what ``mlx_lm.convert`` writes with the same settings (its
+    model's own quant_predicate: the router and shared-expert gate at 8 bits): the same
+    quantization overrides, and every tensor equal bit for bit once loaded."""
+    from mlx.utils import tree_flatten
+
+    from dflash_mlx.loading import load_target
+    from dflash_mlx.target_conversion import convert_target
+    from tests.conftest import make_hf_moe_target
+    from tests.test_mlx_layouts import mlx_lm_convert
+
+    source = make_hf_moe_target(tmp_path / "src", "fused")
+    convert_target(str(source), tmp_path / "ours", quant="w4:gs32")
+    mlx_lm_convert(source, tmp_path / "mlx_lm", "affine4", moe=True)
+    ours = json.loads((tmp_path / "ours" / "config.json").read_text())["quantization"]
+    theirs = json.loads((tmp_path / "mlx_lm" / "config.json").read_text())["quantization"]
+    overrides = {k.removeprefix("language_model."): v for k, v in theirs.items() if isinstance(v, dict)}
+    assert overrides and {k: v for k, v in ours.items() if isinstance(v, dict)} == overrides
+    assert {k: v for k, v in ours.items() if not isinstance(v, dict)} == {"group_size": 32, "bits": 4, "mode": "affine"}
+    got = dict(tree_flatten(load_target(tmp_path / "ours")[0].parameters()))
+    want = dict(tree_flatten(load_target(tmp_path / "mlx_lm")[0].parameters()))
+    assert got.keys() == want.keys()
+    for key in want:
+        np.testing.assert_array_equal(np.array(got[key]), np.array(want[key]), err_msg=key)
+
+
 def test_tensors_read_from_disk_a_slice_at_a_time_quantize_the_same(hf_target_dir, tmp_path):
     """The direct row reads that keep large tensors out of memory (forced here for every eligible
     tensor, bf16 source) give the same bytes as quantizing the loaded tensors."""

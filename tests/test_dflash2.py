@@ -7,12 +7,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_mlx import loading, tiny
+from dflash_mlx import loading
 from dflash_mlx import speculative as loop
 from dflash_mlx.models.dflash2 import DFlash2Draft, grouped_dynamic_convolve
 from dflash_mlx.sampling import Sampler
 from tests import subprocess_env, test_sampling
-from tests.conftest import VOCAB, make_hf_target, random_prompts
+from tests.conftest import VOCAB, dflash2_config, make_hf_target, random_prompts, write_dflash2_draft
 from tests.test_interop import zlab_load
 from tests.test_lossless import assert_lossless, take
 
@@ -20,7 +20,7 @@ GREEDY = Sampler()
 
 
 def write_dflash2(path, target_config, seed=3, **kwargs):
-    tiny.write_dflash2_draft(path, tiny.dflash2_config(target_config, **kwargs), seed=seed)
+    write_dflash2_draft(path, dflash2_config(target_config, **kwargs), seed=seed)
     return path
 
 
@@ -164,7 +164,7 @@ def test_the_converter_writes_dflash2_drafts_that_zlab_reads(dflash2_dir, target
     assert checks["kind"]["detail"].startswith("DFlash2") and checks["selector codebooks cover the vocabulary"]["status"] == "ok"
     converted, config = loading.load_draft(out)
     assert isinstance(converted, DFlash2Draft) and config["architectures"] == ["DFlash2DraftModel"]
-    assert config["dflash_config"]["selector_top_k"] == tiny.dflash2_config(target_config)["dflash_config"]["selector_top_k"]
+    assert config["dflash_config"]["selector_top_k"] == dflash2_config(target_config)["dflash_config"]["selector_top_k"]
     converted.bind(target)
     reference = zlab_load(out, monkeypatch).bind(target)
     features, cache, block = _context(target, converted)

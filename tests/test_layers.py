@@ -29,6 +29,7 @@ LAYERS: List[Tuple[str, List]] = [
     ("loading", ["loading"]),
     ("converters, decode loops, pipeline", ["convert", "target_conversion", ("prefill", "decoder", "speculative"),
                                             "pipeline"]),
+    ("where a request runs", ["runner"]),
     ("named models", ["defaults"]),
     ("api", ["api"]),
     ("batched requests", ["scheduler"]),

@@ -115,7 +115,7 @@ def test_an_edit_anywhere_reuses_all_but_at_most_l_over_c_tokens(pair, length):
     model, tokenizer = pair
     prompt, cache = ids(10, length), PromptCache()
     run(model, tokenizer, prompt, prompt_cache=cache, max_tokens=1, use_draft=False)
-    assert len(cache.checkpoints) <= cache.spread + len(cache.keep)
+    assert len(cache.checkpoints) <= cache.evenly_spaced + len(cache.pinned)
     for share in (0.9, 0.5, 0.1):
         edit = int(share * length)
         edited = prompt[:edit] + [(prompt[edit] + 1) % 500] + prompt[edit + 1 :]
@@ -124,7 +124,7 @@ def test_an_edit_anywhere_reuses_all_but_at_most_l_over_c_tokens(pair, length):
             reused = last.cached_prompt_tokens
         else:
             reused = cache.prepare(model.target, None, edited)
-        assert edit - length / cache.spread <= reused <= edit, share
+        assert edit - length / cache.evenly_spaced <= reused <= edit, share
 
 
 def test_checkpoints_are_thinned_to_the_smallest_largest_gap():
@@ -143,7 +143,7 @@ def test_a_growing_history_keeps_its_checkpoints_within_budget(pair):
     cache, prompt = PromptCache(checkpoints=4), ids(11, 40)
     for turn in range(4):
         out, last = run(model, tokenizer, prompt, prompt_cache=cache, max_tokens=6, block_tokens=4)
-        assert len(cache.checkpoints) <= cache.spread + len(cache.keep), turn
+        assert len(cache.checkpoints) <= cache.evenly_spaced + len(cache.pinned), turn
         fresh, _ = run(model, tokenizer, prompt, max_tokens=6, block_tokens=4)
         assert out == fresh, turn
         prompt = prompt + out + ids(20 + turn, 30)

@@ -14,7 +14,7 @@ from dflash_mlx import loading, tiny
 from dflash_mlx import speculative as loop
 from dflash_mlx.loading import CheckpointError, load_target
 from dflash_mlx.sampling import Sampler
-from tests.conftest import spread_weights
+from tests.conftest import dflash2_config, spread_weights, write_dflash2_draft
 from tests.test_lossless import assert_lossless, take
 from tests.test_target import PROMPT
 
@@ -97,7 +97,7 @@ def test_a_dflash2_draft_on_qwen3_8_is_lossless(qwen3_8_dir, tmp_path):
     """The published Qwen3.8 drafter is a DFlash2 one (block 8, sliding window, bidirectional)."""
     path, _ = qwen3_8_dir
     target, config = load_target(path)
-    tiny.write_dflash2_draft(tmp_path, tiny.dflash2_config(config["text_config"], block_size=8), seed=8)
+    write_dflash2_draft(tmp_path, dflash2_config(config["text_config"], block_size=8), seed=8)
     draft, _ = loading.load_draft(tmp_path)
     draft = draft.bind(target)
     prompt = mx.array(PROMPT[0].astype(np.int32))

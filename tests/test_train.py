@@ -459,3 +459,32 @@ def test_resuming_takes_the_drafts_block_size_without_changing_the_callers_confi
     train_draft(model.target, tokenizer, [corpus], out, given, resume=True)
     assert given == TrainConfig(steps=1, **{**CONFIG, "block_size": 3})
     assert json.loads((out / "config.json").read_text())["dflash_config"]["block_size"] == CONFIG["block_size"]
+
+
+def test_train_refuses_a_run_that_cannot_start_naming_the_flag(tmp_path):
+    """What `train-draft` checks before it loads the target is train's own rule (the CLI calls it)."""
+    from dflash_mlx.train import DFlash2Shape, check_run, parse_taps
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("text")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "config.json").write_text("{}")
+    check_run([corpus], tmp_path / "new", resume=False, from_draft=False)
+    check_run([corpus], full, resume=True, from_draft=False)  # a resume continues what is there
+    for args, message in (
+        (([tmp_path / "none.txt"], tmp_path / "new", False, False), "--data"),
+        (([corpus], full, False, False), "already exists and is not empty"),
+        (([corpus], full, True, True), "--from-draft starts a new run"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            check_run(*args)
+    assert parse_taps("1, 3,5") == [1, 3, 5] and parse_taps(" ") is None
+    with pytest.raises(ValueError, match="--taps 'a': expected layer numbers"):
+        parse_taps("a")
+    assert DFlash2Shape.for_arch("dflash", 2, 16, 256, 16) is None
+    assert DFlash2Shape.for_arch("dflash2", 3, 8, 64, 4) == DFlash2Shape(3, 8, 64, 4)
+    with pytest.raises(ValueError, match="--arch 'dflash3': choose 'dflash' or 'dflash2'"):
+        DFlash2Shape.for_arch("dflash3", 2, 16, 256, 16)
+    with pytest.raises(ValueError, match="--selector-rank 0: at least 1"):
+        DFlash2Shape.for_arch("dflash", 2, 16, 0, 16)  # checked whichever the arch, as the CLI always did

@@ -257,17 +257,17 @@ class ContextCache:
         self.values[..., used : used + S, :] = ctx_v
         self.offset += S
 
-    def fetch_with_block(self, block_k: mx.array, block_v: mx.array, keep: Optional[int] = None):
+    def fetch_with_block(self, block_k: mx.array, block_v: mx.array, window: Optional[int] = None):
         """Keys/values of the visible context followed by the block, and the context count.
 
-        ``keep`` limits the visible context to its last ``keep`` tokens (sliding layers).
+        ``window`` limits the visible context to its last ``window`` tokens (sliding layers).
         """
         L = block_k.shape[2]
         self._ensure_room(L, block_k, block_v)
         used = self.offset - self.start
         self.keys[..., used : used + L, :] = block_k
         self.values[..., used : used + L, :] = block_v
-        visible = min(x for x in (used, keep, self.window) if x is not None)
+        visible = min(x for x in (used, window, self.window) if x is not None)
         first = used - visible
         return self.keys[..., first : used + L, :], self.values[..., first : used + L, :], visible
 
@@ -347,8 +347,8 @@ class DraftAttention(nn.Module):
         if cache.reads_no_context:
             keys, values, n_ctx = k, v, 0
         else:
-            keep = None if self.sliding_window is None else self.sliding_window - 1
-            keys, values, n_ctx = cache.fetch_with_block(k, v, keep)
+            window = None if self.sliding_window is None else self.sliding_window - 1
+            keys, values, n_ctx = cache.fetch_with_block(k, v, window)
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=self._mask(q.shape[2], n_ctx))
 
     def _mask(self, L: int, n_ctx: int):
@@ -510,8 +510,8 @@ class DFlashDraft(nn.Module):
         caches = []
         for layer in self.layers:
             sliding = layer.self_attn.sliding_window
-            keep = window if sliding is None else min(x for x in (window, sliding - 1) if x is not None)
-            caches.append(ContextCache(keep))
+            layer_window = window if sliding is None else min(x for x in (window, sliding - 1) if x is not None)
+            caches.append(ContextCache(layer_window))
         return caches
 
     def add_context(self, context: mx.array, cache: List[ContextCache]) -> None:

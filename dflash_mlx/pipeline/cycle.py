@@ -134,7 +134,7 @@ class Pipeline:
         if trim == count:
             restore(self.cache, undo)
         elif kind == VERIFY and 0 < trim < count:
-            rollback(self.cache, fed=count, keep=count - trim)
+            rollback(self.cache, fed=count, kept=count - trim)
         else:
             raise RuntimeError(f"pipeline protocol: trim {trim} after a pass of {count} tokens (kind {kind})")
 
@@ -276,8 +276,8 @@ def _commit(previous, trim: int, next_token: int) -> Commit:
     if previous is None:
         return Commit([next_token], None)
     count, tokens = previous
-    keep = count - trim
-    return Commit(tokens[1:keep] + [next_token], None, drafted=count - 1, accepted=keep - 1)
+    kept = count - trim
+    return Commit(tokens[1:kept] + [next_token], None, drafted=count - 1, accepted=kept - 1)
 
 
 class PipelinedTarget:

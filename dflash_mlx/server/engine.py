@@ -57,11 +57,11 @@ def memory_context_limit(model: DFlashModel, draft_quant: Optional[str] = None, 
     ``memory_bytes`` (default: this machine's, as ``doctor`` counts it: MLX's recommended working
     set on a Mac, physical memory elsewhere) beside the pair's weights and ``reserve`` bytes (the
     prefix caches' budget), by ``doctor``'s estimate of the pair's memory at a context. None when
-    it cannot be known (no target folder, a pipelined target, no memory size)."""
+    it cannot be known (no target folder, a target not all held here, no memory size)."""
     from .. import device as device_lib
     from ..doctor import estimate_memory
 
-    if model.target_path is None or model.pipeline is not None:
+    if model.target_path is None or not model.runner.holds_whole_target:
         return None
     facts = device_lib.facts()
     memory_bytes = memory_bytes or facts.recommended_working_set or facts.memory_bytes
@@ -308,7 +308,7 @@ class Engine:
             raise ValueError(f"max_concurrent must be at least 1, got {max_concurrent}")
         if max_queue < 0:
             raise ValueError(f"max_queue must not be negative, got {max_queue}")
-        if max_concurrent > 1 and model.pipeline is not None:
+        if max_concurrent > 1 and not model.runner.batches:
             raise ValueError(f"max_concurrent {max_concurrent}: a pipelined target serves one generation at a time "
                              "(its ranks run one request's cycle in lockstep); use 1")
         self.model, self.tokenizer, self.name = model, tokenizer, name
@@ -317,7 +317,8 @@ class Engine:
         if context_limit is None:
             context_limit = own = model_context_length(model)
             self.context_source = "the target's max_position_embeddings"
-            fits = memory_context_limit(model, draft_quant, memory_bytes, prompt_cache_bytes if model.pipeline is None else 0, own)
+            kept = prompt_cache_bytes if model.runner.keeps_prompt_cache else 0
+            fits = memory_context_limit(model, draft_quant, memory_bytes, kept, own)
             if fits is not None and (own is None or fits < own):
                 context_limit, self.context_source = fits, "what fits in memory beside the weights and --prompt-cache-gb"
         self.context_limit = context_limit
@@ -326,7 +327,7 @@ class Engine:
         self.chat_template_args = dict(chat_template_args or {})
         self.pending: "queue.SimpleQueue[Job]" = queue.SimpleQueue()
         # A pipelined target's caches live on every rank: none are kept between requests.
-        self.prompt_caches = PromptCachePool(prompt_cache_bytes if model.pipeline is None else 0)
+        self.prompt_caches = PromptCachePool(prompt_cache_bytes if model.runner.keeps_prompt_cache else 0)
         self.jobs: set = set()  # submitted and not done
         self.metrics = Metrics()
         self.aliases: set = set()  # other model ids served silently (--model-alias)
@@ -483,7 +484,7 @@ class Engine:
         last = None
         try:
             if not job.cancelled.is_set():  # else cancelled while it waited
-                pool = self.prompt_caches if self.model.pipeline is None else None
+                pool = self.prompt_caches if self.model.runner.keeps_prompt_cache else None
                 stream = stream_generate(self.model, self.tokenizer, job.prompt, prompt_cache=pool,
                                          cancelled=job.cancelled.is_set, **job.options)
                 for last in stream:
