@@ -195,17 +195,27 @@ class Decoder:
         mx.async_eval([s.outputs for s in steps])
         return Pass(list(batch), steps, rows, logits, features, started)
 
-    def resolve(self, p: Pass, since: Optional[float] = None) -> List[Commit]:
+    def resolve(self, p: Pass, since: Optional[float] = None, dropped: Container[int] = ()) -> List[Optional[Commit]]:
         """Read the cycle back (its one host synchronisation), roll each sequence back to what it
         committed, feed its draft, tell its controller. ``since``: when the cycle's time starts (the
-        single-stream loop counts from the previous read-back; default: the dispatch)."""
+        single-stream loop counts from the previous read-back; default: the dispatch). ``dropped``:
+        the positions of sequences that left while the cycle ran (dispatched ``undoable``): their
+        caches go back to where the cycle found them, as at ``undo``, and their commit is None."""
         mx.eval([s.outputs for s in p.steps])
         # Each sequence's controller is told the whole cycle's time: what its stream waited for its
         # tokens. A block within the pass's length costs it only draft rows; one that lengthens the
         # pass costs it (and its batch-mates) the longer pass (docs/design.md, "Batched decoding").
         p.read_at = time.perf_counter()
         seconds = p.read_at - (p.started if since is None else since)
-        return [self._commit(i, seq, step, p, seconds) for i, (seq, step) in enumerate(zip(p.batch, p.steps))]
+        commits: List[Optional[Commit]] = []
+        for i, (seq, step) in enumerate(zip(p.batch, p.steps)):
+            if i in dropped:
+                restore(seq.cache, step.undo)
+                self.finish(seq)
+                commits.append(None)
+            else:
+                commits.append(self._commit(i, seq, step, p, seconds))
+        return commits
 
     def undo(self, p: Pass) -> None:
         """Put every sequence's target cache back where the cycle found it (dispatched ``undoable``);

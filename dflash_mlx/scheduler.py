@@ -1,12 +1,16 @@
 """Continuous batching: requests join a shared decode batch after their prefill and leave it
 when they finish, each exactly as it would run alone through the same engine.
 
-One scheduling round: cancelled requests leave; waiting ones are admitted while the batch has
-room (in arrival order); the request being prefilled runs one chunk; every active request gets
-one cycle (``decoder.Decoder``), its commits turned into responses by its own ``Responder``.
-So active streams pause for at most one prefill chunk (``BATCH_PREFILL_STEP`` tokens) while a
-long prompt comes in, and a cancelled request frees its slot at the next round. Everything runs on the caller's thread
-(the server's worker): the prefix caches need no lock.
+One scheduling round: the cycles in flight are read back (``decoder.Decoder.resolve``);
+cancelled requests leave; waiting ones are admitted while the batch has room (in arrival order);
+the request being prefilled runs one chunk; the next cycle is dispatched for every active request
+(nothing read back), and only then are the cycle's commits turned into responses by each
+request's own ``Responder``, while that cycle computes (as the single-stream loop dispatches
+ahead). So active streams pause for at most one prefill chunk (``BATCH_PREFILL_STEP`` tokens)
+while a long prompt comes in, and a cancelled request frees its slot at the next round. A request
+that a response finishes (a stop string) while its next cycle is in flight leaves when that cycle
+is read back, its caches put back where the cycle found them. Everything runs on the caller's
+thread (the server's worker): the prefix caches need no lock.
 """
 
 from __future__ import annotations
@@ -14,14 +18,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, Generator, List, Optional, Sequence, Union
+from typing import Any, Callable, Deque, Dict, Generator, List, Optional, Sequence, Tuple, Union
 
 
 from .api import DFlashModel, GenerationResponse, Responder, encode_prompt
-from .decoder import Decoder, batch_min_rows, batch_row_limit, Sequence as DecodeSequence
+from .decoder import Decoder, Pass, batch_min_rows, batch_row_limit, Sequence as DecodeSequence
 from .block_policy import BlockTokens, FixedBlock
 from .prompt_cache import PromptCache, PromptCachePool
 from .runner import drafting
+from .records import Commit
 from .sampling import Sampler
 
 # Prompt tokens per prefill chunk in the batch. One chunk runs per round, between the active
@@ -67,6 +72,16 @@ class BatchRequest:
     _respond: Optional[Responder] = None
     _history: Optional[PromptCache] = None
     _reused: int = 0
+    _leaving: bool = False  # finished while its next cycle is in flight: leaves when it is read back
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """A dispatched cycle not yet read back, and its requests in the pass's order."""
+
+    decoder: Decoder
+    cycle: Pass
+    requests: List[BatchRequest]
 
 
 class Scheduler:
@@ -93,6 +108,7 @@ class Scheduler:
         self.waiting: Deque[BatchRequest] = deque()
         self.prefilling: Deque[BatchRequest] = deque()
         self.active: List[BatchRequest] = []
+        self.in_flight: List[_InFlight] = []
         self.rows = 0  # rows of the last target pass (all batches of the round)
 
     def submit(self, request: BatchRequest) -> None:
@@ -100,10 +116,11 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not (self.waiting or self.prefilling or self.active)
+        return not (self.waiting or self.prefilling or self.active or self.in_flight)
 
     def step(self) -> None:
         """One round (see the module's docstring)."""
+        answers = self._resolve()
         for queue in (self.waiting, self.prefilling, self.active):
             for r in [r for r in queue if r.cancelled()]:
                 self._leave(r)
@@ -111,14 +128,14 @@ class Scheduler:
             self._admit(self.waiting.popleft())
         if self.prefilling:
             self._prefill_chunk(self.prefilling[0])
-        self.rows = 0
-        for use_draft in (True, False):
-            batch = [r for r in self.active if (r._sequence.draft_cache is not None) == use_draft]
-            if batch:
-                self._cycle(self._decoder(use_draft), batch)
+        self._dispatch()
+        for r, commit in answers:  # while the next cycle computes
+            if not r.done:
+                self._respond(r, commit)
 
     def fail_all(self, error: BaseException) -> None:
         """Every request leaves with ``error`` (a failure outside any one request)."""
+        self.in_flight = []
         for r in [*self.waiting, *self.prefilling, *self.active]:
             r.error = r.error or error
             self._leave(r)
@@ -177,17 +194,47 @@ class Scheduler:
         if r._history is not None:
             r._history.fed(r._reused + fed)
 
-    def _cycle(self, decoder: Decoder, batch: List[BatchRequest]) -> None:
-        try:
-            commits = decoder.cycle([r._sequence for r in batch])
-        except Exception as e:  # the whole batch's caches are in doubt: every request in it fails
-            for r in batch:
-                r.error = e
-                self._leave(r)
-            return
-        self.rows += decoder.rows
-        for r, commit in zip(batch, commits):
-            self._respond(r, commit)
+    def _dispatch(self) -> None:
+        """The next cycle of every active request whose stream goes on, one pass per decoder
+        (with the draft, without), queued: nothing is read back."""
+        self.rows = 0
+        for use_draft in (True, False):
+            batch = [r for r in self.active if not r._sequence.done and (r._sequence.draft_cache is not None) == use_draft]
+            if not batch:
+                continue
+            decoder = self._decoder(use_draft)
+            try:
+                cycle = decoder.dispatch([r._sequence for r in batch], undoable=True)
+            except Exception as e:  # the whole batch's caches are in doubt: every request in it fails
+                self._fail(batch, e)
+                continue
+            self.rows += decoder.rows
+            self.in_flight.append(_InFlight(decoder, cycle, batch))
+
+    def _resolve(self) -> List[Tuple[BatchRequest, Commit]]:
+        """Read back the cycles in flight: each going-on request's commit. A request that left (a
+        stop string) or was cancelled while its cycle ran is dropped from it: its caches are put
+        back where the cycle found them, and it leaves."""
+        answers = []
+        flights, self.in_flight = self.in_flight, []
+        for flight in flights:
+            dropped = {i for i, r in enumerate(flight.requests) if r._leaving or r.cancelled()}
+            try:
+                commits = flight.decoder.resolve(flight.cycle, dropped=dropped)
+            except Exception as e:
+                self._fail(flight.requests, e)
+                continue
+            for i, (r, commit) in enumerate(zip(flight.requests, commits)):
+                if i in dropped:
+                    self._leave(r)
+                else:
+                    answers.append((r, commit))
+        return answers
+
+    def _fail(self, batch: List[BatchRequest], error: BaseException) -> None:
+        for r in batch:
+            r.error = error
+            self._leave(r)
 
     def _respond(self, r: BatchRequest, commit) -> None:
         for response in r._respond(commit):
@@ -196,7 +243,10 @@ class Scheduler:
             r.last = response
             r.emit(response)
         if r._respond.finished or r._sequence.done:
-            self._leave(r)
+            if any(r in flight.requests for flight in self.in_flight):
+                r._leaving = True  # its next cycle is in flight: it leaves when that is read back
+            else:
+                self._leave(r)
 
     def _leave(self, r: BatchRequest) -> None:
         """``r`` leaves: its slot is free, its history goes back to the prompt cache."""
