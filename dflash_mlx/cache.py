@@ -36,26 +36,44 @@ class GatedDeltaCache:
         self.state: Optional[mx.array] = None
         self.offset = 0
         self.tape: Optional[GatedDeltaTape] = None
+        self.tape_row: Optional[int] = None  # its batch row when ``tape`` is a batched pass's
 
     def rollback(self, keep: int) -> None:
         """Keep the first ``keep`` steps of the last taped pass; forget the rest."""
-        tape = self.tape
-        self.tape = None
+        tape, row = self._take_tape(keep)
+        if tape is None:
+            return
+        if row is not None:
+            tape = GatedDeltaTape(*(_rows(part, slice(row, row + 1)) for part in _tape_parts(tape)))
+        self._kept(self.recurrence.tape_replay(tape.start_state, tape.k, tape.g, tape.delta, keep), tape, 0, keep)
+
+    def _take_tape(self, keep: int):
+        """The tape and row to roll back from (the tape forgotten), or ``(None, None)`` when all
+        ``keep`` steps stay."""
+        tape, row = self.tape, self.tape_row
+        self.tape = self.tape_row = None
         if tape is None:
             raise RuntimeError("rollback() needs a pass run with record_tape=True")
         steps = tape.k.shape[1]
         if keep == steps:
-            return
+            return None, None
         if not 0 <= keep < steps:
             raise ValueError(f"keep={keep} outside 0..{steps}")
-        self.state = self.recurrence.tape_replay(tape.start_state, tape.k, tape.g, tape.delta, keep)
+        return tape, row
+
+    def _kept(self, state: mx.array, tape: GatedDeltaTape, row: int, keep: int) -> None:
+        """Its state after ``keep`` steps of ``tape`` (row ``row`` of it): the conv rows and offset follow."""
+        steps = tape.k.shape[1]
         n_conv = tape.conv_input.shape[1] - steps
-        self.conv_state = tape.conv_input[:, keep : keep + n_conv]
+        self.state = state
+        self.conv_state = tape.conv_input[row : row + 1, keep : keep + n_conv]
         self.offset -= steps - keep
 
-    def update(self, conv_state: mx.array, state: mx.array, steps: int, tape: Optional[GatedDeltaTape]) -> None:
-        """After a pass of ``steps`` tokens: the new states, and the tape if it recorded one."""
-        self.conv_state, self.state, self.tape = conv_state, state, tape
+    def update(self, conv_state: mx.array, state: mx.array, steps: int, tape: Optional[GatedDeltaTape],
+               tape_row: Optional[int] = None) -> None:
+        """After a pass of ``steps`` tokens: the new states, and the tape if it recorded one
+        (``tape_row``: this cache's row of a batch's tape)."""
+        self.conv_state, self.state, self.tape, self.tape_row = conv_state, state, tape, tape_row
         self.offset += steps
 
     @property
@@ -65,9 +83,10 @@ class GatedDeltaCache:
 
 class GatedDeltaBatch:
     """Several sequences' Gated DeltaNet caches seen as one batch for a pass over ``[B, T]``
-    tokens: their states stacked on the batch axis going in, split back coming out (each
-    sequence's tape too, so that each rolls back to its own step count). The recurrence and the
-    convolution run per batch row, so each row's result is the one its sequence gets alone."""
+    tokens: their states stacked on the batch axis going in, split back coming out. The batch's
+    tape stays whole, each sequence holding its row of it: ``rollback_batch`` replays every row
+    to its own step count at once, a sequence's own ``rollback`` slices its row. The recurrence
+    and the convolution run per batch row, so each row's result is the one its sequence gets alone."""
 
     def __init__(self, members: List[GatedDeltaCache]):
         self.members = members
@@ -82,9 +101,11 @@ class GatedDeltaBatch:
 
     def update(self, conv_state: mx.array, state: mx.array, steps: int, tape: Optional[GatedDeltaTape]) -> None:
         for i, m in enumerate(self.members):
-            row = slice(i, i + 1)
-            m.update(conv_state[row], state[row], steps, tape and GatedDeltaTape(
-                tape.start_state[row], tape.conv_input[row], tape.k[row], tape.g[row], _rows(tape.delta, row)))
+            m.update(conv_state[i : i + 1], state[i : i + 1], steps, tape, None if tape is None else i)
+
+
+def _tape_parts(tape: GatedDeltaTape) -> tuple:
+    return tape.start_state, tape.conv_input, tape.k, tape.g, tape.delta
 
 
 def _rows(tape_part, row: slice):
@@ -120,6 +141,33 @@ def rollback(cache: list, fed: int, keep: int) -> None:
             c.rollback(keep)
         elif fed > keep:
             c.trim(fed - keep)
+
+
+def rollback_batch(caches: List[list], fed: int, keeps: List[int]) -> None:
+    """``rollback`` for every sequence of a batched pass (``caches[i]`` keeps ``keeps[i]`` of
+    ``fed`` tokens). Per Gated DeltaNet layer, one replay over the batch's tape brings every row
+    to its own step count (``Recurrence.tape_replay_rows``: the steps past a row's count add
+    exact zeros), instead of a replay per sequence; attention caches are trimmed per sequence."""
+    for layer in zip(*caches):
+        if not isinstance(layer[0], GatedDeltaCache):
+            for c, keep in zip(layer, keeps):
+                if fed > keep:
+                    c.trim(fed - keep)
+            continue
+        shared = layer[0].tape
+        batched = (len(layer) > 1 and shared is not None and isinstance(shared.delta, mx.array)
+                   and all(c.tape is shared and c.tape_row == i for i, c in enumerate(layer)))
+        if not batched:  # a pass of its own (or mlx-lm's kernel's tape): each as alone
+            for c, keep in zip(layer, keeps):
+                c.rollback(keep)
+            continue
+        taken = [(row, c, keep) for row, (c, keep) in enumerate(zip(layer, keeps)) if c._take_tape(keep)[0] is not None]
+        if not taken:
+            continue
+        states = layer[0].recurrence.tape_replay_rows(shared.start_state, shared.k, shared.g, shared.delta,
+                                                      mx.array(keeps))
+        for row, c, keep in taken:
+            c._kept(states[row : row + 1], shared, row, keep)
 
 
 def cache_arrays(cache: list) -> List[mx.array]:
