@@ -337,20 +337,19 @@ class DraftAttention(nn.Module):
         cache.append(rope(ck, offset=cache.offset), cv)
 
     def add_context_batch(self, ctx: mx.array, lengths: Sequence[int], rope, caches: Sequence[ContextCache]) -> None:
-        """``add_context`` for several sequences whose features are ``ctx``'s rows in turn
-        (``lengths[i]`` rows each): one projection over all rows, then each sequence's RoPE at its
-        own offset and its append."""
-        projected = None
-        start = 0
+        """``add_context`` for several sequences, row i of ``ctx`` [B, S, H] holding sequence i's
+        features in its first ``lengths[i]`` slots: one projection and one RoPE (each row at its
+        own cache's offset) for all, then each sequence's append of its own slots."""
+        reading = [i for i, cache in enumerate(caches) if not cache.reads_no_context]
         for n, cache in zip(lengths, caches):
             if cache.reads_no_context:
                 cache.advance(n)
-            else:
-                if projected is None:
-                    projected = self.project_context(ctx)
-                ck, cv = (part[:, :, start : start + n] for part in projected)
-                cache.append(rope(ck, offset=cache.offset), cv)
-            start += n
+        if not reading:
+            return
+        ck, cv = self.project_context(ctx)
+        ck = rope(ck, offset=mx.array([cache.offset for cache in caches]))
+        for i in reading:
+            caches[i].append(ck[i : i + 1, :, : lengths[i]], cv[i : i + 1, :, : lengths[i]])
 
     def block_heads(self, q, k, v, cache: ContextCache) -> mx.array:
         """Attention heads of the rotated block over the cached context and itself."""
@@ -540,12 +539,15 @@ class DFlashDraft(nn.Module):
 
     def add_context_batch(self, contexts: Sequence[mx.array], caches: Sequence[List[ContextCache]]) -> None:
         """``add_context`` for several sequences (``contexts[i]`` [1, S_i, taps*H] to ``caches[i]``):
-        ``fc``, the norm and each layer's projections run once over all their rows, RoPE and the
-        append per sequence. A row's numbers are those ``add_context`` gives it alone where a
-        product's row does not depend on the rows beside it (MLX's CPU matmuls, at any row count;
-        not a GPU, whose one-row products take another kernel: there the caller calls per sequence)."""
+        padded to the longest and stacked, so that ``fc``, the norm, each layer's projections and
+        its RoPE (one offset per row) run once for all; each sequence appends its own slots. A
+        row's numbers are those ``add_context`` gives it alone where a product's row does not
+        depend on the rows beside it (MLX's CPU matmuls, at any row count; not a GPU, whose
+        one-row products take another kernel: there the caller calls per sequence)."""
         lengths = [c.shape[1] for c in contexts]
-        context = contexts[0] if len(contexts) == 1 else mx.concatenate(contexts, axis=1)
+        S = max(lengths)
+        context = mx.concatenate([c if c.shape[1] == S else mx.pad(c, [(0, 0), (0, S - c.shape[1]), (0, 0)])
+                                  for c in contexts])
         if self.activation_dtype is not None:
             context = context.astype(self.activation_dtype)
         ctx = self.hidden_norm(self.fc(context))
