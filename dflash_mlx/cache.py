@@ -36,26 +36,45 @@ class GatedDeltaCache:
         self.state: Optional[mx.array] = None
         self.offset = 0
         self.tape: Optional[GatedDeltaTape] = None
+        self.tape_row: Optional[int] = None  # its batch row when ``tape`` is a batched pass's
 
     def rollback(self, steps_kept: int) -> None:
         """Keep the first ``steps_kept`` steps of the last taped pass; forget the rest."""
-        tape = self.tape
-        self.tape = None
+        tape, row = self._take_tape(steps_kept)
+        if tape is None:
+            return
+        if row is not None:
+            tape = GatedDeltaTape(*(_rows(part, slice(row, row + 1)) for part in _tape_parts(tape)))
+        self._kept(self.recurrence.tape_replay(tape.start_state, tape.k, tape.g, tape.delta, steps_kept), tape, 0, steps_kept)
+
+    def _take_tape(self, steps_kept: int):
+        """The tape and row to roll back from (the tape forgotten), or ``(None, None)`` when all
+        ``steps_kept`` steps stay."""
+        tape, row = self.tape, self.tape_row
+        self.tape = self.tape_row = None
         if tape is None:
             raise RuntimeError("rollback() needs a pass run with record_tape=True")
         steps = tape.k.shape[1]
         if steps_kept == steps:
-            return
+            return None, None
         if not 0 <= steps_kept < steps:
             raise ValueError(f"steps_kept={steps_kept} outside 0..{steps}")
-        self.state = self.recurrence.tape_replay(tape.start_state, tape.k, tape.g, tape.delta, steps_kept)
+        return tape, row
+
+    def _kept(self, state: mx.array, tape: GatedDeltaTape, row: int, steps_kept: int) -> None:
+        """Its state after ``steps_kept`` steps of ``tape`` (row ``row`` of it): the conv rows and
+        offset follow."""
+        steps = tape.k.shape[1]
         n_conv = tape.conv_input.shape[1] - steps
-        self.conv_state = tape.conv_input[:, steps_kept : steps_kept + n_conv]
+        self.state = state
+        self.conv_state = tape.conv_input[row : row + 1, steps_kept : steps_kept + n_conv]
         self.offset -= steps - steps_kept
 
-    def update(self, conv_state: mx.array, state: mx.array, steps: int, tape: Optional[GatedDeltaTape]) -> None:
-        """After a pass of ``steps`` tokens: the new states, and the tape if it recorded one."""
-        self.conv_state, self.state, self.tape = conv_state, state, tape
+    def update(self, conv_state: mx.array, state: mx.array, steps: int, tape: Optional[GatedDeltaTape],
+               tape_row: Optional[int] = None) -> None:
+        """After a pass of ``steps`` tokens: the new states, and the tape if it recorded one
+        (``tape_row``: this cache's row of a batch's tape)."""
+        self.conv_state, self.state, self.tape, self.tape_row = conv_state, state, tape, tape_row
         self.offset += steps
 
     @property
@@ -65,9 +84,10 @@ class GatedDeltaCache:
 
 class GatedDeltaBatch:
     """Several sequences' Gated DeltaNet caches seen as one batch for a pass over ``[B, T]``
-    tokens: their states stacked on the batch axis going in, split back coming out (each
-    sequence's tape too, so that each rolls back to its own step count). The recurrence and the
-    convolution run per batch row, so each row's result is the one its sequence gets alone."""
+    tokens: their states stacked on the batch axis going in, split back coming out. The batch's
+    tape stays whole, each sequence holding its row of it: ``rollback_batch`` replays every row
+    to its own step count at once, a sequence's own ``rollback`` slices its row. The recurrence
+    and the convolution run per batch row, so each row's result is the one its sequence gets alone."""
 
     def __init__(self, members: List[GatedDeltaCache]):
         self.members = members
@@ -82,9 +102,11 @@ class GatedDeltaBatch:
 
     def update(self, conv_state: mx.array, state: mx.array, steps: int, tape: Optional[GatedDeltaTape]) -> None:
         for i, m in enumerate(self.members):
-            row = slice(i, i + 1)
-            m.update(conv_state[row], state[row], steps, tape and GatedDeltaTape(
-                tape.start_state[row], tape.conv_input[row], tape.k[row], tape.g[row], _rows(tape.delta, row)))
+            m.update(conv_state[i : i + 1], state[i : i + 1], steps, tape, None if tape is None else i)
+
+
+def _tape_parts(tape: GatedDeltaTape) -> tuple:
+    return tape.start_state, tape.conv_input, tape.k, tape.g, tape.delta
 
 
 def _rows(tape_part, row: slice):
@@ -120,6 +142,33 @@ def rollback(cache: list, fed: int, kept: int) -> None:
             c.rollback(kept)
         elif fed > kept:
             c.trim(fed - kept)
+
+
+def rollback_batch(caches: List[list], fed: int, kept: List[int]) -> None:
+    """``rollback`` for every sequence of a batched pass (``caches[i]`` keeps ``kept[i]`` of
+    ``fed`` tokens). Per Gated DeltaNet layer, one replay over the batch's tape brings every row
+    to its own step count (``Recurrence.tape_replay_rows``: the steps past a row's count add
+    exact zeros), instead of a replay per sequence; attention caches are trimmed per sequence."""
+    for layer in zip(*caches):
+        if not isinstance(layer[0], GatedDeltaCache):
+            for c, n in zip(layer, kept):
+                if fed > n:
+                    c.trim(fed - n)
+            continue
+        shared = layer[0].tape
+        batched = (len(layer) > 1 and shared is not None and isinstance(shared.delta, mx.array)
+                   and all(c.tape is shared and c.tape_row == i for i, c in enumerate(layer)))
+        if not batched:  # a pass of its own (or mlx-lm's kernel's tape): each as alone
+            for c, n in zip(layer, kept):
+                c.rollback(n)
+            continue
+        taken = [(row, c, n) for row, (c, n) in enumerate(zip(layer, kept)) if c._take_tape(n)[0] is not None]
+        if not taken:
+            continue
+        states = layer[0].recurrence.tape_replay_rows(shared.start_state, shared.k, shared.g, shared.delta,
+                                                      mx.array(kept))
+        for row, c, n in taken:
+            c._kept(states[row : row + 1], shared, row, n)
 
 
 def cache_arrays(cache: list) -> List[mx.array]:

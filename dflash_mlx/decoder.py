@@ -21,7 +21,7 @@ from typing import Container, Generator, List, Optional, Sequence as Seq, Tuple
 import mlx.core as mx
 
 from .block_policy import BlockChooser, FixedBlock
-from .cache import batch_view, cache_arrays, restore, rollback, snapshot
+from .cache import batch_view, cache_arrays, restore, rollback_batch, snapshot
 from .models.dflash import DFlashDraft
 from .models.qwen3_5 import Model as Target
 from .prefill import features_from, prefill_chunks
@@ -54,6 +54,15 @@ def batch_min_rows() -> int:
     the CPU, MLX's products are row-independent at any row count (one row included), and so is the
     recurrence (the same chunked algebra at T = 1, ``kernels._chunk_one``): one row."""
     return 2 if mx.default_device() == mx.gpu else 1
+
+
+def products_row_independent() -> bool:
+    """Whether a product's row is the same bits whatever rows share the call, at any row count:
+    then the draft's per-sequence work after the verify pass (the hand-off of committed features,
+    the head over proposals) runs once over every sequence's rows. On the CPU, yes (MLX's CPU
+    matmuls, float and quantized, at one row too). On a GPU a single row takes a matrix-vector
+    kernel and the verify kernel holds up to ``MAX_ROWS``: there each sequence runs its own call."""
+    return mx.default_device() != mx.gpu
 
 
 def plan_blocks(wanted: Seq[int], row_limit: int = ROW_LIMIT) -> Tuple[int, List[int]]:
@@ -207,15 +216,20 @@ class Decoder:
         # pass costs it (and its batch-mates) the longer pass (docs/design.md, "Batched decoding").
         p.read_at = time.perf_counter()
         seconds = p.read_at - (p.started if since is None else since)
-        commits: List[Optional[Commit]] = []
-        for i, (seq, step) in enumerate(zip(p.batch, p.steps)):
-            if i in dropped:
-                restore(seq.cache, step.undo)
-                self.finish(seq)
-                commits.append(None)
-            else:
-                commits.append(self._commit(i, seq, step, p, seconds))
-        return commits
+        for i in dropped:
+            restore(p.batch[i].cache, p.steps[i].undo)
+            self.finish(p.batch[i])
+        going = [i for i in range(len(p.batch)) if i not in dropped]
+        accepted = {i: 0 if p.steps[i].accepted is None else p.steps[i].accepted.item() for i in going}
+        if p.rows > 1:
+            rollback_batch([p.batch[i].cache for i in going], p.rows, [accepted[i] + 1 for i in going])
+        features = {i: p.features[i : i + 1, : accepted[i] + 1] if self.taps else None for i in going}
+        drafted = [i for i in going if p.steps[i].block > 1]
+        if drafted:
+            self._hand_off([features[i] for i in drafted], [p.batch[i].draft_cache for i in drafted])
+        return [None if i in dropped else
+                self._commit(seq, step, p.logits[i, : accepted[i] + 1], accepted[i], features[i], seconds)
+                for i, (seq, step) in enumerate(zip(p.batch, p.steps))]
 
     def undo(self, p: Pass) -> None:
         """Put every sequence's target cache back where the cycle found it (dispatched ``undoable``);
@@ -247,20 +261,35 @@ class Decoder:
             steps.append(Step(block, ahead if left is None else max(0, min(ahead, left - 1))))
         return steps
 
+    def _hand_off(self, contexts: List[mx.array], caches: List[list]) -> None:
+        """Committed features [1, S_i, taps*H] to their sequences' draft caches: one draft call
+        for all where a product's row does not depend on its batch-mates (``products_row_independent``),
+        else a call per sequence."""
+        if len(contexts) > 1 and products_row_independent():
+            self.draft.add_context_batch(contexts, caches)
+        else:
+            for context, cache in zip(contexts, caches):
+                self.draft.add_context(context, cache)
+
     def _draft(self, drafting: Seq[Tuple[Sequence, Step]]) -> None:
         """One draft pass for every drafting sequence's block (and every shadow); the plain steps'
         features reach the draft first."""
         draft = self.draft
+        waiting = [seq for seq, _ in drafting if seq.pending]
         for seq, step in drafting:
             step.handed_off = len(seq.pending)
-            self.finish(seq)
+        if waiting:
+            self._hand_off([mx.concatenate(seq.pending, axis=1) for seq in waiting], [seq.draft_cache for seq in waiting])
+            for seq in waiting:
+                seq.pending.clear()
         blocks = [mx.concatenate([seq.token, mx.full((max(step.block, step.ahead + 1) - 1,), draft.mask_token_id,
                                                     seq.token.dtype)]) for seq, step in drafting]
         samplers = [seq.sampler if step.block > 1 else GREEDY for seq, step in drafting]
         if len(drafting) == 1:
             proposals = [draft.propose(blocks[0], drafting[0][0].draft_cache, samplers[0])]
         else:
-            proposals = draft.propose_batch(blocks, [seq.draft_cache for seq, _ in drafting], samplers)
+            proposals = draft.propose_batch(blocks, [seq.draft_cache for seq, _ in drafting], samplers,
+                                            one_head=products_row_independent())
         for (seq, step), (tokens, probs) in zip(drafting, proposals):
             if step.block > 1:
                 step.proposals, step.draft_probs = tokens, probs
@@ -269,20 +298,17 @@ class Decoder:
         # The draft runs while Python builds the verify graph.
         mx.async_eval([a for _, step in drafting for a in (step.proposals, step.draft_probs, step.shadow) if a is not None])
 
-    def _commit(self, i: int, seq: Sequence, step: Step, p: Pass, seconds: float) -> Commit:
-        accepted = 0 if step.accepted is None else step.accepted.item()
+    def _commit(self, seq: Sequence, step: Step, logits: mx.array, accepted: int, features: Optional[mx.array],
+                seconds: float) -> Commit:
+        """A sequence's commit (``logits``: its kept rows) after its caches were rolled back and
+        its features handed off (``resolve``); a plain step's features wait for its next draft pass."""
         next_token = step.next_token.item()
-        kept = accepted + 1
-        if p.rows > 1:
-            rollback(seq.cache, fed=p.rows, kept=kept)
-        features = p.features[i : i + 1, :kept] if self.taps else None
         if step.block == 1:
             if self.draft is not None:
                 seq.pending.append(features)
-            commit = Commit([next_token], logprobs(p.logits[i, :1]))
+            commit = Commit([next_token], logprobs(logits))
         else:
-            self.draft.add_context(features, seq.draft_cache)
-            commit = Commit(step.proposals.tolist()[:accepted] + [next_token], logprobs(p.logits[i, :kept]),
+            commit = Commit(step.proposals.tolist()[:accepted] + [next_token], logprobs(logits),
                             drafted=step.block - 1, accepted=accepted)
         seq.chooser.observe(block=step.block, accepted=accepted, seconds=seconds, committed=commit.tokens,
                             proposals=step.shadow.tolist() if step.shadow is not None else [],

@@ -499,6 +499,14 @@ class Recurrence:
             return _replay_prefix(state, k, g, delta, steps, chunked)
         return (tape_replay_chunked if chunked else tape_replay_reference)(state, k, g, delta, steps)
 
+    def tape_replay_rows(self, state, k, g, delta, steps: mx.array):
+        """``tape_replay`` for every batch row at once, row ``b`` to its own ``steps[b]``: one
+        replay of the whole tape whose steps past a row's count have ``g = 1`` and ``delta = 0``.
+        Each form then gives the bits of the row's own replay: the step forms multiply by 1 and
+        add 0; the chunked form's decay sums add 0 and its weighted sum over steps (MLX's CPU
+        matmul, accumulated in step order) adds exact zero terms after the kept ones."""
+        return self.tape_replay(state, k, *_mask_steps(g, delta, steps), k.shape[1])
+
 
 def _expand_heads(x: mx.array, hv: int) -> mx.array:
     """Repeat key heads so that each value head sees its GQA key head."""
@@ -613,6 +621,14 @@ def _chunk_one(q, k, v, g, beta, state):
 def _replay_chunk(k, g, delta, state):
     k = _expand_heads(k, delta.shape[-2])
     return _state_after(state, _head_major(k), _log_decay(g), _head_major(delta))
+
+
+@mx.compile
+def _mask_steps(g, delta, steps):
+    """The tape's ``g`` and ``delta`` [B, T, ...] with the steps from row b's ``steps[b]`` on made
+    neutral (``g = 1``, ``delta = 0``)."""
+    kept = mx.arange(g.shape[1])[None] < steps[:, None]
+    return mx.where(kept[..., None], g, 1.0), mx.where(kept[..., None, None], delta, 0.0)
 
 
 def gated_delta_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):

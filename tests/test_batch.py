@@ -60,10 +60,14 @@ class BatchOracle:
     def add_context(self, features, cache):
         cache[0].position += features.shape[1]
 
+    def add_context_batch(self, contexts, caches):
+        for features, cache in zip(contexts, caches):
+            self.add_context(features, cache)
+
     def propose(self, block, cache, sampler):
         return self.propose_batch([block], [cache], [sampler])[0]
 
-    def propose_batch(self, blocks, caches, samplers):
+    def propose_batch(self, blocks, caches, samplers, one_head=False):
         self.passes.append(len(blocks))
         out = []
         for block, (state,), sampler in zip(blocks, caches, samplers):
@@ -99,6 +103,22 @@ def snapshot(cache) -> list:
     return out
 
 
+def draft_snapshot(draft_cache) -> list:
+    """What a draft cache holds for its sequence: each layer's position and its context keys and
+    values (an oracle's position)."""
+    out = []
+    for c in draft_cache or []:
+        if isinstance(c, OracleState):
+            out.append(mx.array(c.position))
+            continue
+        out.append(mx.array([c.offset, c.start]))
+        if c.keys is not None:
+            used = c.offset - c.start
+            out += [c.keys[..., :used, :], c.values[..., :used, :]]
+    mx.eval(out)
+    return out
+
+
 def run_batch(target, draft, specs, joins, record=False, passes=None):
     """Decode ``specs`` (dicts: prompt, block, schedule, max_tokens) together, spec i joining at
     cycle ``joins[i]``: each one's tokens, and (``record``) its cache after every cycle it ran.
@@ -124,7 +144,7 @@ def run_batch(target, draft, specs, joins, record=False, passes=None):
             for i, commit in zip(order, commits):
                 tokens[i] += commit.tokens
                 if record:
-                    caches[i].append(snapshot(live[i].cache))
+                    caches[i].append(snapshot(live[i].cache) + draft_snapshot(live[i].draft_cache))
                 if live[i].done:
                     del live[i]
 
@@ -205,7 +225,9 @@ def test_a_batch_pass_carries_different_acceptances(target, prompts, references)
 
 def test_the_real_draft_in_a_batch(target, draft, prompts, references):
     """The tiny random draft (its own attention over each sequence's context, padded blocks of
-    different lengths in one pass): each sequence as alone, and as the target alone."""
+    different lengths in one pass, the committed features handed off for all sequences in one
+    draft call): each sequence as alone, its target and draft caches after every cycle too, and
+    as the target alone."""
     specs = [dict(prompt=p, block=b, max_tokens=n) for p, b, n in zip(prompts[:4], [2, 16, 5, 1], [30, 24, 36, 20])]
     together, caches = run_batch(target, draft, specs, [0, 1, 3, 0], record=True)
     for i, spec in enumerate(specs):
@@ -213,22 +235,32 @@ def test_the_real_draft_in_a_batch(target, draft, prompts, references):
         assert together[i] == alone[0] and len(caches[i]) == len(alone_caches[0])  # the same cycles
         for got, want in zip(caches[i][-1], alone_caches[0][-1]):
             assert mx.array_equal(got, want).item()
+        for cycle, (got, want) in enumerate(zip(caches[i], alone_caches[0])):
+            assert len(got) == len(want) and all(mx.array_equal(a, b).item() for a, b in zip(got, want)), \
+                f"sequence {i}, cycle {cycle}"
         assert_lossless(target, spec["prompt"], references[i][: spec["max_tokens"]], together[i])
+
+
+def draft_of_kind(tmp_path, target, target_config, kind):
+    """A tiny DFlash draft (a full-attention and a block-only layer) or DFlash2 one (sliding
+    window of 20) for the session's target."""
+    from dflash_mlx import loading
+
+    if kind == "DFlash":
+        return make_draft(tmp_path, target, target_config, block_size=8, layer_types=["full_attention", "block_attention"])
+    write_dflash2_draft(tmp_path, dflash2_config(target_config, block_size=8, sliding_window=20), seed=3)
+    return loading.load_draft(tmp_path)[0].bind(target)
 
 
 @pytest.mark.parametrize("kind", ["DFlash", "DFlash2"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_one_draft_pass_proposes_what_each_block_gets_alone(tmp_path, target, target_config, kind, temperature):
+@pytest.mark.parametrize("one_head", [False, True], ids=["head per block", "one head"])
+def test_one_draft_pass_proposes_what_each_block_gets_alone(tmp_path, target, target_config, kind, temperature, one_head):
     """``propose_batch`` over blocks of different lengths and contexts of different lengths (one
     past a sliding window) gives each block the proposals and distributions ``propose`` gives it
-    alone, bit for bit (sampling: the same draws from the same seeded generator)."""
-    from dflash_mlx import loading
-
-    if kind == "DFlash":
-        draft = make_draft(tmp_path, target, target_config, block_size=8)
-    else:
-        write_dflash2_draft(tmp_path, dflash2_config(target_config, block_size=8, sliding_window=20), seed=3)
-        draft = loading.load_draft(tmp_path)[0].bind(target)
+    alone, bit for bit (sampling: the same draws from the same seeded generator), whether the
+    head runs per block or once over every block's rows (DFlash2: its selector per block)."""
+    draft = draft_of_kind(tmp_path, target, target_config, kind)
     width = len(draft.target_layer_ids) * target_config["hidden_size"]
     contexts = [5, 31, 12]
     caches = [draft.make_cache() for _ in contexts]
@@ -236,7 +268,7 @@ def test_one_draft_pass_proposes_what_each_block_gets_alone(tmp_path, target, ta
         draft.add_context(mx.random.normal((1, n, width), key=mx.random.key(n)), cache)
     blocks = [mx.array([3] + [draft.mask_token_id] * (n - 1)) for n in (4, 8, 2)]
     samplers = [Sampler(temperature).for_request(seed) for seed in (1, 2, 3)]
-    together = draft.propose_batch(blocks, caches, samplers)
+    together = draft.propose_batch(blocks, caches, samplers, one_head=one_head)
     samplers = [Sampler(temperature).for_request(seed) for seed in (1, 2, 3)]
     for (tokens, probs), block, cache, sampler in zip(together, blocks, caches, samplers):
         alone_tokens, alone_probs = draft.propose(block, cache, sampler)
@@ -244,6 +276,84 @@ def test_one_draft_pass_proposes_what_each_block_gets_alone(tmp_path, target, ta
         assert (probs is None) == (alone_probs is None) == (temperature == 0)
         if probs is not None:
             assert mx.array_equal(probs, alone_probs).item()
+
+
+@pytest.mark.parametrize("kind", ["DFlash", "DFlash2"])
+def test_one_hand_off_fills_each_draft_cache_as_alone(tmp_path, target, target_config, kind):
+    """``add_context_batch`` (one ``fc``, norm and projection over every sequence's committed
+    features, RoPE and the append per sequence) leaves each draft cache bit for bit as
+    ``add_context`` alone: contexts of different lengths (one past the sliding window, a
+    block-only layer's positions), hand-offs of 1 to 5 rows, twice in a row."""
+    draft = draft_of_kind(tmp_path, target, target_config, kind)
+    width = len(draft.target_layer_ids) * target_config["hidden_size"]
+    features = lambda n, seed: mx.random.normal((1, n, width), key=mx.random.key(seed))  # noqa: E731
+    contexts = [5, 31, 12, 1]
+    together, alone = ([draft.make_cache() for _ in contexts] for _ in range(2))
+    for caches in (together, alone):
+        for cache, n in zip(caches, contexts):
+            draft.add_context(features(n, n), cache)
+    for hand_off, lengths in enumerate([[1, 4, 2, 5], [3, 1, 5, 2]]):
+        fed = [features(n, 100 * hand_off + i) for i, n in enumerate(lengths)]
+        draft.add_context_batch(fed, together)
+        for x, cache in zip(fed, alone):
+            draft.add_context(x, cache)
+        for i, (got, want) in enumerate(zip(together, alone)):
+            got, want = draft_snapshot(got), draft_snapshot(want)
+            assert len(got) == len(want) and all(mx.array_equal(a, b).item() for a, b in zip(got, want)), \
+                f"hand-off {hand_off}, sequence {i}"
+
+
+@pytest.mark.parametrize("form", ["chunked", "reference", "metal"])
+def test_one_replay_per_layer_rolls_each_row_back_to_its_own_count(form):
+    """``rollback_batch`` replays a batched pass's tape once per layer, each row to its own kept
+    count (every count 0..T beside the others, one row keeping all): each sequence's state and
+    conv rows bit for bit those of its own rollback from its row of the tape, and within float32
+    rounding of numpy stepping the recurrence (the chunked form, the step form, the emulated
+    Metal replay kernel)."""
+    from dflash_mlx import kernels
+    from dflash_mlx.cache import GatedDeltaBatch, GatedDeltaTape, rollback_batch
+
+    if form == "metal":
+        from tests.test_emulated_metal import emulated_recurrence
+
+        recurrence = emulated_recurrence()
+    else:
+        recurrence = kernels.Recurrence(chunked=form == "chunked")
+    T, Hk, Hv, Dk, Dv, conv = 4, 1, 2, 32, 8, 3
+    keeps = [2, 0, 4, 1, 3]
+    B = len(keeps)
+    key = iter(mx.random.split(mx.random.key(11), 5))
+    tape = GatedDeltaTape(mx.random.normal((B, Hv, Dv, Dk), key=next(key)),
+                          mx.random.normal((B, conv + T, 6), key=next(key)),
+                          mx.random.normal((B, T, Hk, Dk), key=next(key)) * Dk**-0.5,
+                          mx.random.uniform(0.3, 1.0, (B, T, Hv), key=next(key)),
+                          mx.random.normal((B, T, Hv, Dv), key=next(key)))
+    after = recurrence.tape_replay(tape.start_state, tape.k, tape.g, tape.delta, T)  # the pass's own state
+    together = [[GatedDeltaCache(recurrence)] for _ in keeps]
+    GatedDeltaBatch([c[0] for c in together]).update(tape.conv_input[:, -conv:], after, T, tape)
+    alone = []
+    for i, keep in enumerate(keeps):
+        cache = GatedDeltaCache(recurrence)
+        row = slice(i, i + 1)
+        cache.update(tape.conv_input[row, -conv:], after[row], T,
+                     GatedDeltaTape(*(getattr(tape, f)[row] for f in ("start_state", "conv_input", "k", "g", "delta"))))
+        cache.rollback(keep)
+        alone.append(cache)
+    rollback_batch(together, fed=T, keeps=keeps)
+    k, g, delta = (np.array(a, dtype=np.float64) for a in (tape.k, tape.g, tape.delta))
+    k = np.repeat(k, Hv // Hk, axis=2)
+    for i, (keep, [got], want) in enumerate(zip(keeps, together, alone)):
+        assert got.offset == want.offset == keep and got.tape is None, f"row {i}"
+        assert mx.array_equal(got.conv_state, want.conv_state).item(), f"row {i}"
+        assert mx.array_equal(got.conv_state, tape.conv_input[i : i + 1, keep : keep + conv]).item()
+        assert mx.array_equal(got.state, want.state).item(), f"row {i} keeping {keep}"
+        state = np.array(tape.start_state[i], dtype=np.float64)
+        for t in range(keep):
+            state = state * g[i, t][:, None, None] + delta[i, t][:, :, None] * k[i, t][:, None, :]
+        np.testing.assert_allclose(np.array(got.state[0]), state, rtol=1e-5, atol=1e-5)
+    if form == "metal":  # the replay ran the kernel, not a fallback
+        report = recurrence.metal.report()
+        assert any(name.startswith("tape_replay") for name in report) and set(report.values()) == {"ok"}
 
 
 def test_a_mixture_of_experts_target_in_a_batch(tmp_path):

@@ -241,7 +241,7 @@ def test_an_interrupt_between_verify_and_rollback_falls_back_to_a_checkpoint(pai
     model, tokenizer = pair
     cache, prompt = PromptCache(), ids(18, 40)
     calls = []
-    real_rollback = speculative_module.rollback
+    real_rollback = speculative_module.rollback_batch
 
     def interrupted_rollback(*args, **kwargs):
         calls.append(1)
@@ -249,10 +249,10 @@ def test_an_interrupt_between_verify_and_rollback_falls_back_to_a_checkpoint(pai
             raise KeyboardInterrupt
         return real_rollback(*args, **kwargs)
 
-    monkeypatch.setattr(speculative_module, "rollback", interrupted_rollback)
+    monkeypatch.setattr(speculative_module, "rollback_batch", interrupted_rollback)
     with pytest.raises(KeyboardInterrupt):
         run(model, tokenizer, prompt, prompt_cache=cache, max_tokens=40, block_tokens=8)
-    monkeypatch.setattr(speculative_module, "rollback", real_rollback)
+    monkeypatch.setattr(speculative_module, "rollback_batch", real_rollback)
     assert cache.cache[0].offset != len(cache.tokens)  # the verify pass was fed, never rolled back
     follow_up = cache.tokens + ids(19, 5)
     got, last = run(model, tokenizer, follow_up, prompt_cache=cache, max_tokens=8, block_tokens=8)

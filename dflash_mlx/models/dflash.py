@@ -336,6 +336,21 @@ class DraftAttention(nn.Module):
         ck, cv = self.project_context(ctx)
         cache.append(rope(ck, offset=cache.offset), cv)
 
+    def add_context_batch(self, ctx: mx.array, lengths: Sequence[int], rope, caches: Sequence[ContextCache]) -> None:
+        """``add_context`` for several sequences, row i of ``ctx`` [B, S, H] holding sequence i's
+        features in its first ``lengths[i]`` slots: one projection and one RoPE (each row at its
+        own cache's offset) for all, then each sequence's append of its own slots."""
+        reading = [i for i, cache in enumerate(caches) if not cache.reads_no_context]
+        for n, cache in zip(lengths, caches):
+            if cache.reads_no_context:
+                cache.advance(n)
+        if not reading:
+            return
+        ck, cv = self.project_context(ctx)
+        ck = rope(ck, offset=mx.array([cache.offset for cache in caches]))
+        for i in reading:
+            caches[i].append(ck[i : i + 1, :, : lengths[i]], cv[i : i + 1, :, : lengths[i]])
+
     def block_heads(self, q, k, v, cache: ContextCache) -> mx.array:
         """Attention heads of the rotated block over the cached context and itself."""
         if isinstance(cache, ContextBatch):  # each row's own block over its own context, as alone
@@ -522,6 +537,23 @@ class DFlashDraft(nn.Module):
         for layer, c in zip(self.layers, cache):
             layer.self_attn.add_context(ctx, self.rope, c)
 
+    def add_context_batch(self, contexts: Sequence[mx.array], caches: Sequence[List[ContextCache]]) -> None:
+        """``add_context`` for several sequences (``contexts[i]`` [1, S_i, taps*H] to ``caches[i]``):
+        padded to the longest and stacked, so that ``fc``, the norm, each layer's projections and
+        its RoPE (one offset per row) run once for all; each sequence appends its own slots. A
+        row's numbers are those ``add_context`` gives it alone where a product's row does not
+        depend on the rows beside it (MLX's CPU matmuls, at any row count; not a GPU, whose
+        one-row products take another kernel: there the caller calls per sequence)."""
+        lengths = [c.shape[1] for c in contexts]
+        S = max(lengths)
+        context = mx.concatenate([c if c.shape[1] == S else mx.pad(c, [(0, 0), (0, S - c.shape[1]), (0, 0)])
+                                  for c in contexts])
+        if self.activation_dtype is not None:
+            context = context.astype(self.activation_dtype)
+        ctx = self.hidden_norm(self.fc(context))
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.add_context_batch(ctx, lengths, self.rope, [cache[i] for cache in caches])
+
     def hidden(self, block: mx.array, cache: List[ContextCache]) -> mx.array:
         """Final-normed states [B, L-1, H] of block slots 1.. (``[t_last, MASK, ...]``), one pass."""
         if self._embed is None:
@@ -552,21 +584,27 @@ class DFlashDraft(nn.Module):
         drawn from, which rejection sampling needs."""
         return self.pick(self.hidden(block[None], cache), block, sampler)
 
-    def pick(self, hidden: mx.array, block: mx.array, sampler: Sampler) -> Tuple[mx.array, Optional[mx.array]]:
-        """Proposals (and their distributions) from one block's draft states [1, L-1, H]."""
-        return propose(self.logits(hidden)[0], sampler)
+    def pick(self, hidden: mx.array, block: mx.array, sampler: Sampler,
+             logits: Optional[mx.array] = None) -> Tuple[mx.array, Optional[mx.array]]:
+        """Proposals (and their distributions) from one block's draft states [1, L-1, H]
+        (``logits``: the head's on them, when the caller ran it over several blocks at once)."""
+        return propose((self.logits(hidden) if logits is None else logits)[0], sampler)
 
     def propose_batch(self, blocks: Sequence[mx.array], caches: Sequence[List[ContextCache]],
-                      samplers: Sequence[Sampler]) -> List[Tuple[mx.array, Optional[mx.array]]]:
+                      samplers: Sequence[Sampler], one_head: bool = False) -> List[Tuple[mx.array, Optional[mx.array]]]:
         """``propose`` for several sequences in one pass: their blocks (any lengths) padded to the
         longest, each attending over its own context. Row i's proposals are those ``propose`` gives
-        it alone: the padding follows its slots and never enters its attention."""
+        it alone: the padding follows its slots and never enters its attention. ``one_head``: the
+        head runs once over every row, then each sequence picks on its own rows (where a product's
+        row does not depend on the rows beside it: the CPU; see ``add_context_batch``)."""
         T = max(b.size for b in blocks)
         padded = mx.stack([b if b.size == T else mx.concatenate([b, mx.full((T - b.size,), self.mask_token_id, b.dtype)])
                            for b in blocks])
         lengths = [b.size for b in blocks]
         hidden = self.hidden(padded, [ContextBatch(list(layer), lengths) for layer in zip(*caches)])
-        return [self.pick(hidden[i : i + 1, : n - 1], b, s) for i, (b, n, s) in enumerate(zip(blocks, lengths, samplers))]
+        logits = self.logits(hidden) if one_head else None
+        return [self.pick(hidden[i : i + 1, : n - 1], b, s, None if logits is None else logits[i : i + 1, : n - 1])
+                for i, (b, n, s) in enumerate(zip(blocks, lengths, samplers))]
 
     def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
         out = {}

@@ -136,12 +136,14 @@ class DFlash2Draft(DFlashDraft):
         super().__init__(args)
         self.candidate_selector = CandidateSelector(args)
 
-    def pick(self, hidden: mx.array, block: mx.array, sampler: Sampler) -> Tuple[mx.array, Optional[mx.array]]:
+    def pick(self, hidden: mx.array, block: mx.array, sampler: Sampler,
+             logits: Optional[mx.array] = None) -> Tuple[mx.array, Optional[mx.array]]:
         """The selector's walk over the block's slots. Sampling draws each slot from the softmax of
         its candidates' scores at the sampler's temperature (as z-lab's reference does); the
         returned distributions are that sparse q, scattered over the vocabulary for rejection
-        sampling (whose residual ``p - q`` then touches only the candidates)."""
-        logits = self.logits(hidden)
+        sampling (whose residual ``p - q`` then touches only the candidates). ``logits``: the
+        head's on ``hidden``, when the caller ran it over several blocks at once."""
+        logits = self.logits(hidden) if logits is None else logits
         key = None if sampler.greedy else sampler.key()
         tokens, candidates, q = self.candidate_selector.select(hidden, logits, block[None, 0], sampler.temperature, key=key)
         if q is None:
