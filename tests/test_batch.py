@@ -339,7 +339,7 @@ def test_one_replay_per_layer_rolls_each_row_back_to_its_own_count(form):
                      GatedDeltaTape(*(getattr(tape, f)[row] for f in ("start_state", "conv_input", "k", "g", "delta"))))
         cache.rollback(keep)
         alone.append(cache)
-    rollback_batch(together, fed=T, keeps=keeps)
+    rollback_batch(together, fed=T, kept=keeps)
     k, g, delta = (np.array(a, dtype=np.float64) for a in (tape.k, tape.g, tape.delta))
     k = np.repeat(k, Hv // Hk, axis=2)
     for i, (keep, [got], want) in enumerate(zip(keeps, together, alone)):
