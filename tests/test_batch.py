@@ -666,3 +666,43 @@ def test_a_pass_stays_within_the_devices_row_limit(pair_model):
     with pytest.raises(ValueError, match="max_active 9: a pass takes at most 8 rows on this device.*at most 8 at once"):
         Scheduler(model, tokenizer, max_active=9, row_limit=8)
     assert Scheduler(model, tokenizer, max_active=8, row_limit=8).row_limit == 8
+
+
+def test_a_stop_string_while_the_next_cycle_is_in_flight_leaves_the_history_as_recorded(pair_model):
+    """The scheduler dispatches a request's next cycle before its responses are made; a stop
+    string found in them drops the request from that cycle when it is read back, the next round:
+    the history it gives back holds exactly the tokens it recorded (every target layer at that length, the draft's
+    context one token behind, as after any generation), and its batch-mate is unaffected."""
+    from dflash_mlx.cache import GatedDeltaCache
+    from dflash_mlx.prompt_cache import PromptCachePool
+
+    model, tokenizer = pair_model
+    prompts = [p.tolist() for p in random_prompts(2, 200, seed=12, low=20, high=30)]
+    specs = [dict(prompt=p, max_tokens=40, block_tokens=4) for p in prompts]
+    alone = [schedule(model, tokenizer, [s], [0]) for s in specs]
+    stop_text = alone[0][1][0][20:23]
+    assert stop_text
+    pool = PromptCachePool(1 << 30)
+    scheduler = Scheduler(model, tokenizer, 4, prompt_cache=pool)
+    done = []
+    requests = [BatchRequest(s["prompt"], emit=lambda r: None, max_tokens=40, block_tokens=4, stop=[stop_text] if i == 0 else None,
+                             on_done=lambda i=i: done.append(i)) for i, s in enumerate(specs)]
+    for r in requests:
+        scheduler.submit(r)
+    rounds, stopped_at, left_at = 0, None, None
+    while not scheduler.idle:
+        scheduler.step()
+        rounds += 1
+        if requests[0]._leaving and stopped_at is None:
+            stopped_at = rounds
+        if 0 in done and left_at is None:
+            left_at = rounds
+    assert stopped_at is not None and left_at == stopped_at + 1, (stopped_at, left_at)  # the next round
+    assert sorted(done) == [0, 1]
+    assert requests[1].last.text is not None and not pool.busy
+    history = requests[0]._history or max(pool.histories, key=lambda h: h.shared_prefix(prompts[0]))
+    for layer in history.cache:
+        offset = layer.offset
+        assert offset == len(history.tokens), (offset, len(history.tokens))
+        if isinstance(layer, GatedDeltaCache):
+            assert layer.tape is None
