@@ -200,8 +200,10 @@ def warm_up(model: DFlashModel, tokenizer, blocks: List[str], chat: bool, sampli
 
 
 def table(rows: List[Dict], show_context: bool, mlx_lm: bool, sampled: bool, pass_ms: bool = False):
-    """The summary as a rich table (what ``dflash-mlx bench`` prints); ``pass_ms`` adds the time of
-    one target pass (a pipelined target: one trip through every rank) alone and with DFlash."""
+    """The summary as a rich table (what ``dflash-mlx bench`` prints): with the milliseconds of a
+    plain step of the target alone and of a DFlash cycle (``pass_ms``, a pipelined target: named
+    per pass, one trip through every rank) and, with ``show_context``, each side's time to first
+    token."""
     from rich.table import Table
 
     from .block_policy import describe
@@ -209,8 +211,9 @@ def table(rows: List[Dict], show_context: bool, mlx_lm: bool, sampled: bool, pas
     out = Table(title="dflash-mlx bench (sampled)" if sampled else "dflash-mlx bench (greedy)")
     columns = ["suite", *(["context"] if show_context else []), "block", "target tok/s", *(["mlx-lm tok/s"] if mlx_lm else []),
                "DFlash tok/s", "speedup", *(["vs mlx-lm"] if mlx_lm else []), "tokens/cycle", "acceptance",
-               "blocks used", "probe time", *(["target ms/pass", "DFlash ms/pass"] if pass_ms else []), "peak GB",
-               "identical"]
+               "blocks used", "probe time", *(["target ms/pass", "DFlash ms/pass"] if pass_ms else
+                                              ["ms/step", "ms/cycle"]),
+               *(["TTFT s: target", "DFlash"] if show_context else []), "peak GB", "identical"]
     for column in columns:
         out.add_column(column, justify="right")
     for r in rows:
@@ -221,10 +224,18 @@ def table(rows: List[Dict], show_context: bool, mlx_lm: bool, sampled: bool, pas
             f"{r['dflash_tps']:.1f}", f"{r['speedup']:.2f}x", *([f"{r['speedup_vs_mlx_lm']:.2f}x"] if mlx_lm else []),
             f"{r['tokens_per_cycle']:.2f}", f"{r['acceptance_rate']:.0%}", describe(shares).removeprefix("blocks "),
             "-" if r.get("probe_share") is None else f"{r['probe_share']:.1%}",
-            *([f"{1e3 / r['baseline_tps']:.1f}", f"{1e3 * r['tokens_per_cycle'] / r['dflash_tps']:.1f}"] if pass_ms else []),
+            _ms(r.get("step_ms")), _ms(r.get("cycle_ms")),
+            *([_seconds(r.get("baseline_ttft_s")), _seconds(r.get("dflash_ttft_s"))] if show_context else []),
             f"{r['peak_memory_gb']:.2f}", "n/a" if sampled else _identical(r),
         )
     return out
+
+
+def _seconds(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+_ms = _seconds  # milliseconds, shown alike
 
 
 def _identical(row: Dict) -> str:
@@ -462,6 +473,12 @@ def summarize(runs: List[Run]) -> List[Dict]:
             "tokens_per_cycle": statistics.mean(s.tokens_per_cycle for s in spec),
             "acceptance_rate": statistics.mean(s.acceptance_rate for s in spec),
             "peak_memory_gb": max(r.peak_memory_gb for r in spec + base + mlx_lm),
+            # what a plain step and a cycle take (per token alone; per cycle: its committed tokens over
+            # DFlash's rate), and the time to the first token of each side (medians over the runs)
+            "step_ms": 1e3 / base_tps if base_tps else None,
+            "cycle_ms": 1e3 * statistics.mean(s.tokens_per_cycle for s in spec) / spec_tps if spec_tps else None,
+            "baseline_ttft_s": _ttft(base),
+            "dflash_ttft_s": _ttft(spec),
             "identical": all(s.output == reference[s.prompt_index] for s in spec),
             "divergences": [{**s.divergence, "prompt_index": s.prompt_index} for s in spec if s.divergence],
             "block_shares": {str(b): n / total for b, n in sorted(histogram.items())},
@@ -471,6 +488,12 @@ def summarize(runs: List[Run]) -> List[Dict]:
             "accepted_lengths": [n for s in spec for n in s.accepted_lengths],
         })
     return rows
+
+
+def _ttft(runs: List[Run]) -> Optional[float]:
+    """Median seconds to the first token (the prompt's prefill) over ``runs``."""
+    times = [r.prompt_tokens / r.prompt_tps for r in runs if r.prompt_tps]
+    return statistics.median(times) if times else None
 
 
 def save_json(path: Path, rows: List[Dict], runs: List[Run], meta: Dict) -> None:
