@@ -303,3 +303,22 @@ def test_serve_refuses_bad_defaults_before_loading(tmp_path):
     for flag in ("--temp", "--top-p", "--top-k", "--min-p"):
         assert "A request's own value wins; then this flag; then the target's generation_config.json" in helps[flag]
     assert "enable_thinking" in helps["--chat-template-args"]
+
+
+def test_draft_window_flag_and_the_pairs_default(tmp_path):
+    """--draft-window: a bad value is one line before loading; the demo draft keeps its training
+    window unless told ('all': the whole context, N: the last N tokens), any other draft its whole
+    context (docs/design.md, "The draft's context")."""
+    from dflash_mlx import defaults
+
+    for bad in ("0", "-3", "x"):
+        done = in_process("generate", "-m", str(tmp_path / "missing"), "--draft-window", bad, "-p", "hi")
+        assert done.exit_code == 1 and f"--draft-window {bad!r}" in done.stderr, done.stderr
+    assert load("demo")[0].draft_window == defaults.DEMO_DRAFT_WINDOW == 1024
+    assert load("demo", draft_window=None)[0].draft_window is None
+    assert load("demo", draft_window=256)[0].draft_window == 256
+    target_dir, _ = defaults.demo()
+    tiny.write_draft(tmp_path / "draft", tiny.draft_config(json.loads(Path(target_dir, "config.json").read_text())))
+    assert load(target_dir, draft=str(tmp_path / "draft"))[0].draft_window is None
+    done = in_process("generate", "-m", "demo", "--draft-window", "all", "-p", "def add(a, b):", "--max-tokens", "8", "--json")
+    assert done.exit_code == 0, done.stderr

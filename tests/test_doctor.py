@@ -206,5 +206,6 @@ def test_memory_estimate_agrees_with_a_measured_run(pair, context, tmp_path):
     for _ in stream_generate(model, tokenizer, prompt, max_tokens=new, block_tokens=model.draft.block_size):
         pass
     measured = mx.get_peak_memory() - base
-    estimate = doctor.estimate_memory(loading.resolve_path(target_dir), loading.resolve_path(draft_dir), None, context)
+    estimate = doctor.estimate_memory(loading.resolve_path(target_dir), loading.resolve_path(draft_dir), None, context,
+                                      draft_window=model.draft_window)
     assert abs(sum(estimate.values()) / measured - 1) < 0.10, (measured, estimate)
