@@ -211,17 +211,16 @@ def table(rows: List[Dict], show_context: bool, mlx_lm: bool, sampled: bool, pas
     """The summary as a rich table (what ``dflash-mlx bench`` prints): with the milliseconds of a
     plain step of the target alone and of a DFlash cycle (``pass_ms``, a pipelined target: named
     per pass, one trip through every rank) and, with ``show_context``, each side's time to first
-    token."""
+    token (target/DFlash)."""
     from rich.table import Table
 
     from .block_policy import describe
 
     out = Table(title="dflash-mlx bench (sampled)" if sampled else "dflash-mlx bench (greedy)")
     columns = ["suite", *(["context"] if show_context else []), "block", "target tok/s", *(["mlx-lm tok/s"] if mlx_lm else []),
-               "DFlash tok/s", "speedup", "CPU-time speedup", *(["vs mlx-lm"] if mlx_lm else []), "tokens/cycle", "acceptance",
-               "blocks used", "probe time", *(["target ms/pass", "DFlash ms/pass"] if pass_ms else
-                                              ["ms/step", "ms/cycle"]),
-               *(["TTFT s: target", "DFlash"] if show_context else []), "peak GB", "identical"]
+               "DFlash tok/s", "speedup", "CPU speedup", *(["vs mlx-lm"] if mlx_lm else []), "tokens/cycle", "acceptance",
+               "blocks used", "probe time", "ms/pass: target/DFlash" if pass_ms else "ms/step/cycle",
+               *(["TTFT s"] if show_context else []), "peak GB", "identical"]
     for column in columns:
         out.add_column(column, justify="right")
     for r in rows:
@@ -234,8 +233,8 @@ def table(rows: List[Dict], show_context: bool, mlx_lm: bool, sampled: bool, pas
             *([f"{r['speedup_vs_mlx_lm']:.2f}x"] if mlx_lm else []),
             f"{r['tokens_per_cycle']:.2f}", f"{r['acceptance_rate']:.0%}", describe(shares).removeprefix("blocks "),
             "-" if r.get("probe_share") is None else f"{r['probe_share']:.1%}",
-            _ms(r.get("step_ms")), _ms(r.get("cycle_ms")),
-            *([_seconds(r.get("baseline_ttft_s")), _seconds(r.get("dflash_ttft_s"))] if show_context else []),
+            f"{_ms(r.get('step_ms'))}/{_ms(r.get('cycle_ms'))}",
+            *([f"{_seconds(r.get('baseline_ttft_s'))}/{_seconds(r.get('dflash_ttft_s'))}"] if show_context else []),
             f"{r['peak_memory_gb']:.2f}", "n/a" if sampled else _identical(r),
         )
     return out

@@ -426,7 +426,7 @@ def _bench(loaded, tokenizer, block_tokens, max_tokens, temp, sampling, workload
     rows = bench_lib.summarize(runs)
     table = bench_lib.table(rows, show_context=any(contexts), mlx_lm=baseline is not None, sampled=temp > 0,
                             pass_ms=loaded.pipeline is not None)
-    Console(width=None if sys.stdout.isatty() else 150).print(table)
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
     backend = bench_lib.compute_backend()
     if bench_lib.reference_blas_only(backend):
         console.print(
