@@ -155,12 +155,15 @@ def test_bench_writes_json_and_png(pair, tmp_path):
     assert done.returncode == 0, done.stderr
     results = json.loads((tmp_path / "bench.json").read_text())
     assert {r["context_tokens"] for r in results["summary"]} == {48} and results["meta"]["contexts"] == [48]
-    assert "context" in done.stdout
+    assert "context" in done.stdout and "CPU speedup" in done.stdout and "TTFT s" in done.stdout
     rows = {(r["suite"], r["block_tokens"]) for r in results["summary"]}
     assert rows == {(s, b) for s in ("edit", "code") for b in ("4", "8", "auto")}
     for r in results["summary"]:
         assert r["identical"] and r["baseline_tps"] > 0 and r["dflash_tps"] > 0 and r["mlx_lm_tps"] > 0
         assert set(r) >= {"speedup", "speedup_vs_mlx_lm", "tokens_per_cycle", "acceptance_rate", "peak_memory_gb", "accepted_lengths", "block_shares"}
+        # what a step and a cycle take, each side's time to first token, the speedup in CPU time
+        assert r["step_ms"] > 0 and r["cycle_ms"] > 0 and r["baseline_ttft_s"] > 0 and r["dflash_ttft_s"] > 0
+        assert r["cpu_speedup"] > 0
         assert sum(r["block_shares"].values()) == pytest.approx(1.0)
         # auto's rows show the share of its cycles' time spent exploring; fixed sizes explore nothing
         assert (0 <= r["probe_share"] <= 1) if r["block_tokens"] == "auto" else r["probe_share"] is None
