@@ -139,7 +139,7 @@ def load(
     path_or_hf_repo: str,
     draft: Optional[str] = None,
     draft_quant: Optional[str] = None,
-    draft_window: Optional[int] = None,
+    draft_window: Union[None, int, str] = "auto",
     revision: Optional[str] = None,
     draft_revision: Optional[str] = None,
     draft_dtype: Any = "auto",
@@ -151,7 +151,9 @@ def load(
 
     ``"demo"`` loads the tiny pair shipped in the package, draft included.
     ``draft_quant``: ``w4``, ``w8``, ``w4:gs32``… quantizes the draft's linear layers.
-    ``draft_window``: keep only that many recent context tokens in the draft's cache.
+    ``draft_window``: keep only that many recent context tokens in the draft's cache; None: all of
+    them; ``"auto"``: the pair's default (``defaults.draft_window``: the demo draft's training
+    window, the whole context for other drafts).
     ``draft_dtype``: the draft's activation dtype; ``"auto"`` is float32 on Apple GPUs without
     native bfloat16 (M1/M2, where 16-bit drafts lose most of their acceptance; see
     ``device.WITHOUT_NATIVE_BFLOAT16``) and the checkpoint's own elsewhere; None keeps it.
@@ -171,6 +173,8 @@ def load(
         raise ValueError("draft_quant was given but no draft")
     target_path = loading.resolve_path(path_or_hf_repo, revision)
     draft_path = loading.resolve_path(draft, draft_revision) if draft is not None else None
+    if draft_window == "auto":
+        draft_window = defaults.draft_window(draft_path)
     group = mx.distributed.init()
     layout = PipelineLayout(group, target_path, draft_path, stages) if group.size() > 1 else None
     target, config = loading.load_target(target_path, stage_of=layout.stage_of if layout else None)

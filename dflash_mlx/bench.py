@@ -90,6 +90,7 @@ class Run:
     divergence: Optional[Dict] = None  # greedy: the first token that left the target alone's (``Divergence``)
     cycle_seconds: float = 0.0  # auto: the wall time of its cycles (``BlockStats.seconds`` over the run)
     probe_seconds: float = 0.0  # ... of which the cycles that explored (probes, shadows, optimistic choices)
+    cpu_ms_per_token: float = 0.0  # this process's CPU time per token after the first (what a neighbour's load does not stretch)
 
 
 def measure(
@@ -101,8 +102,9 @@ def measure(
     if use_draft:
         kwargs["block_tokens"] = block_tokens
     stats = model.block_stats
-    seconds, probing = stats.seconds, stats.probe_seconds
+    seconds, probing, cpu = stats.seconds, stats.probe_seconds, None
     for last in stream_generate(model, tokenizer, request, max_tokens=max_tokens, use_draft=use_draft, **kwargs):
+        cpu = time.process_time() if cpu is None else cpu  # from the first token: the prefill is not counted
         tokens.append(last.token)
         if last.cycles != cycles:
             lengths.append(last.accepted_tokens - accepted)
@@ -116,7 +118,13 @@ def measure(
         accepted_lengths=lengths if use_draft else [],
         block_histogram=dict(last.block_histogram) if use_draft else {}, output=tokens,
         cycle_seconds=stats.seconds - seconds, probe_seconds=stats.probe_seconds - probing,
+        cpu_ms_per_token=_cpu_ms(cpu, len(tokens)),
     )
+
+
+def _cpu_ms(since: Optional[float], tokens: int) -> float:
+    """Milliseconds of this process's CPU time per token since ``since`` (the first token's)."""
+    return 1e3 * (time.process_time() - since) / (tokens - 1) if since is not None and tokens > 1 else 0.0
 
 
 def load_mlx_lm(target_path: Path):
@@ -200,17 +208,19 @@ def warm_up(model: DFlashModel, tokenizer, blocks: List[str], chat: bool, sampli
 
 
 def table(rows: List[Dict], show_context: bool, mlx_lm: bool, sampled: bool, pass_ms: bool = False):
-    """The summary as a rich table (what ``dflash-mlx bench`` prints); ``pass_ms`` adds the time of
-    one target pass (a pipelined target: one trip through every rank) alone and with DFlash."""
+    """The summary as a rich table (what ``dflash-mlx bench`` prints): with the milliseconds of a
+    plain step of the target alone and of a DFlash cycle (``pass_ms``, a pipelined target: named
+    per pass, one trip through every rank) and, with ``show_context``, each side's time to first
+    token (target/DFlash)."""
     from rich.table import Table
 
     from .block_policy import describe
 
     out = Table(title="dflash-mlx bench (sampled)" if sampled else "dflash-mlx bench (greedy)")
     columns = ["suite", *(["context"] if show_context else []), "block", "target tok/s", *(["mlx-lm tok/s"] if mlx_lm else []),
-               "DFlash tok/s", "speedup", *(["vs mlx-lm"] if mlx_lm else []), "tokens/cycle", "acceptance",
-               "blocks used", "probe time", *(["target ms/pass", "DFlash ms/pass"] if pass_ms else []), "peak GB",
-               "identical"]
+               "DFlash tok/s", "speedup", "CPU speedup", *(["vs mlx-lm"] if mlx_lm else []), "tokens/cycle", "acceptance",
+               "blocks used", "probe time", "ms/pass: target/DFlash" if pass_ms else "ms/step/cycle",
+               *(["TTFT s"] if show_context else []), "peak GB", "identical"]
     for column in columns:
         out.add_column(column, justify="right")
     for r in rows:
@@ -218,13 +228,23 @@ def table(rows: List[Dict], show_context: bool, mlx_lm: bool, sampled: bool, pas
         out.add_row(
             r["suite"], *([str(r["context_tokens"])] if show_context else []), r["block_tokens"],
             f"{r['baseline_tps']:.1f}", *([f"{r['mlx_lm_tps']:.1f}"] if mlx_lm else []),
-            f"{r['dflash_tps']:.1f}", f"{r['speedup']:.2f}x", *([f"{r['speedup_vs_mlx_lm']:.2f}x"] if mlx_lm else []),
+            f"{r['dflash_tps']:.1f}", f"{r['speedup']:.2f}x",
+            "-" if r.get("cpu_speedup") is None else f"{r['cpu_speedup']:.2f}x",
+            *([f"{r['speedup_vs_mlx_lm']:.2f}x"] if mlx_lm else []),
             f"{r['tokens_per_cycle']:.2f}", f"{r['acceptance_rate']:.0%}", describe(shares).removeprefix("blocks "),
             "-" if r.get("probe_share") is None else f"{r['probe_share']:.1%}",
-            *([f"{1e3 / r['baseline_tps']:.1f}", f"{1e3 * r['tokens_per_cycle'] / r['dflash_tps']:.1f}"] if pass_ms else []),
+            f"{_ms(r.get('step_ms'))}/{_ms(r.get('cycle_ms'))}",
+            *([f"{_seconds(r.get('baseline_ttft_s'))}/{_seconds(r.get('dflash_ttft_s'))}"] if show_context else []),
             f"{r['peak_memory_gb']:.2f}", "n/a" if sampled else _identical(r),
         )
     return out
+
+
+def _seconds(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+_ms = _seconds  # milliseconds, shown alike
 
 
 def _identical(row: Dict) -> str:
@@ -462,6 +482,16 @@ def summarize(runs: List[Run]) -> List[Dict]:
             "tokens_per_cycle": statistics.mean(s.tokens_per_cycle for s in spec),
             "acceptance_rate": statistics.mean(s.acceptance_rate for s in spec),
             "peak_memory_gb": max(r.peak_memory_gb for r in spec + base + mlx_lm),
+            # what a plain step and a cycle take (per token alone; per cycle: its committed tokens over
+            # DFlash's rate), and the time to the first token of each side (medians over the runs)
+            "step_ms": 1e3 / base_tps if base_tps else None,
+            "cycle_ms": 1e3 * statistics.mean(s.tokens_per_cycle for s in spec) / spec_tps if spec_tps else None,
+            # the same ratio in CPU time per token: on a shared machine wall time stretches with the
+            # neighbours' load, CPU time much less (MLX's CPU backend computes on this process's threads)
+            "cpu_speedup": (statistics.median(b.cpu_ms_per_token for b in base) / cpu_spec
+                            if (cpu_spec := statistics.median(s.cpu_ms_per_token for s in spec)) else None),
+            "baseline_ttft_s": _ttft(base),
+            "dflash_ttft_s": _ttft(spec),
             "identical": all(s.output == reference[s.prompt_index] for s in spec),
             "divergences": [{**s.divergence, "prompt_index": s.prompt_index} for s in spec if s.divergence],
             "block_shares": {str(b): n / total for b, n in sorted(histogram.items())},
@@ -471,6 +501,12 @@ def summarize(runs: List[Run]) -> List[Dict]:
             "accepted_lengths": [n for s in spec for n in s.accepted_lengths],
         })
     return rows
+
+
+def _ttft(runs: List[Run]) -> Optional[float]:
+    """Median seconds to the first token (the prompt's prefill) over ``runs``."""
+    times = [r.prompt_tokens / r.prompt_tps for r in runs if r.prompt_tps]
+    return statistics.median(times) if times else None
 
 
 def save_json(path: Path, rows: List[Dict], runs: List[Run], meta: Dict) -> None:

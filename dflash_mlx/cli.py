@@ -41,6 +41,7 @@ def main() -> None:
 Model = Annotated[Optional[str], typer.Option("--model", "-m", help="Target: local folder, Hugging Face repo id, or 'demo' (the tiny pair shipped in the package; works offline). Default: Qwopus3.5-9B-Coder, converted to MLX 4-bit on first use.")]
 Draft = Annotated[Optional[str], typer.Option("--draft", "-d", help="DFlash draft folder or repo id. Default with the default model: z-lab's Qwen3.5-9B draft converted for Qwopus; with --model demo: the demo draft; with another --model: none (target alone).")]
 DraftQuant = Annotated[str, typer.Option("--draft-quant", help="Quantize the draft at load: w4, w8, w4:gs32 … or none.")]
+DraftWindow = Annotated[str, typer.Option("--draft-window", help="The draft's context: keep only the last N tokens' features in its cache (its attention and the prompt's prefill stop growing with the context), or 'all'. Default 'auto': the demo draft its training window (1024 tokens), any other draft all of its context.")]
 BlockTokens = Annotated[str, typer.Option("--block-tokens", "-b", help="Tokens per draft block: 'auto' (default) picks each cycle's size from the measured cost of a cycle and the draft's acceptance, down to 1 (plain decoding) when drafting does not pay; 'auto:N' caps it at N; N drafts exactly N every cycle (1 .. the draft's block size; 1 = the target alone).")]
 MaxTokens = Annotated[int, typer.Option("--max-tokens", help="Stop an answer after this many tokens.")]
 Temp = Annotated[float, typer.Option("--temp", help="Sampling temperature; 0 is greedy.")]
@@ -56,7 +57,7 @@ PeerTimeout = Annotated[float, typer.Option("--peer-timeout", help="Under mlx.la
 
 
 def _load(model: Optional[str], draft: Optional[str], draft_quant: str, stages: Optional[str] = None,
-          peer_timeout: float = 30.0, reads_keyboard: bool = False):
+          peer_timeout: float = 30.0, reads_keyboard: bool = False, draft_window: str = "auto"):
     """Load (or, for the default pair, first convert) the models; one clear line on failure.
     Under ``mlx.launch`` every rank loads its stage of the target (refused for a command that
     ``reads_keyboard``: mlx.launch forwards no standard input)."""
@@ -66,11 +67,13 @@ def _load(model: Optional[str], draft: Optional[str], draft_quant: str, stages: 
 
     if peer_timeout <= 0:
         _fail(f"--peer-timeout must be positive (got {peer_timeout})")
+    window = _draft_window(draft_window)
     try:
         model, draft = resolve(model, draft)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            loaded = api.load(model, draft=draft, draft_quant=draft_quant, stages=stages, peer_timeout=peer_timeout)
+            loaded = api.load(model, draft=draft, draft_quant=draft_quant, stages=stages, peer_timeout=peer_timeout,
+                              draft_window=window)
     except (CheckpointError, ValueError) as e:
         _fail(str(e))
     runner = loaded[0].runner
@@ -186,11 +189,22 @@ def _json_object(flag: str, text: Optional[str]) -> dict:
     return value
 
 
+def _draft_window(text: str):
+    """``--draft-window``: ``auto``, ``all`` (None: the whole context) or a positive token count."""
+    text = text.strip().lower()
+    if text in ("auto", "all"):
+        return None if text == "all" else "auto"
+    if not text.isdigit() or int(text) < 1:
+        _fail(f"--draft-window {text!r}: expected a positive token count, 'all' or 'auto'")
+    return int(text)
+
+
 @app.command()
 def chat(
     model: Model = None,
     draft: Draft = None,
     draft_quant: DraftQuant = "none",
+    draft_window: DraftWindow = "auto",
     block_tokens: BlockTokens = "auto",
     max_tokens: MaxTokens = 2048,
     temp: Temp = 0.0,
@@ -205,7 +219,7 @@ def chat(
     from .chat import ChatSession, run_chat
 
     sampling = _sampling(temp, top_p, top_k, seed, min_p)
-    loaded, tokenizer = _load(model, draft, draft_quant, reads_keyboard=True)
+    loaded, tokenizer = _load(model, draft, draft_quant, reads_keyboard=True, draft_window=draft_window)
     _check_block_tokens((loaded, tokenizer), block_tokens)
     generation = dict(max_tokens=max_tokens, block_tokens=block_tokens, **sampling)
     session = ChatSession(loaded, tokenizer, system=system, think=think, generation=generation)
@@ -218,6 +232,7 @@ def generate(
     draft: Draft = None,
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="The prompt; read from stdin when omitted (its final newline dropped).")] = None,
     draft_quant: DraftQuant = "none",
+    draft_window: DraftWindow = "auto",
     block_tokens: BlockTokens = "auto",
     max_tokens: MaxTokens = 256,
     temp: Temp = 0.0,
@@ -235,7 +250,7 @@ def generate(
 ) -> None:
     """Generate one completion: text to stdout, statistics to stderr."""
     sampling = _sampling(temp, top_p, top_k, seed, min_p)
-    loaded, tokenizer = _load(model, draft, draft_quant, stages, peer_timeout)
+    loaded, tokenizer = _load(model, draft, draft_quant, stages, peer_timeout, draft_window=draft_window)
     with _ranks(loaded):
         if prompt is None and not loaded.runner.reads_input:
             _fail("give the prompt with --prompt: mlx.launch does not forward standard input")
@@ -289,6 +304,7 @@ def bench(
     model: Model = None,
     draft: Draft = None,
     draft_quant: DraftQuant = "none",
+    draft_window: DraftWindow = "auto",
     block_tokens: Annotated[str, typer.Option("--block-tokens", "-b", help="Block settings to compare, comma-separated: sizes, 'auto', 'auto:N' (e.g. 4,8,auto). Default: 2, 3, 4, 8, 16 up to the draft's block size, the draft's own, and auto.")] = "",
     max_tokens: MaxTokens = 256,
     temp: Temp = 0.0,
@@ -342,7 +358,7 @@ def bench(
             _fail(f"--concurrency {concurrency!r}: comma-separated request counts, each at least 1 (e.g. 1,2,4)")
         if temp != 0:
             _fail("--concurrency compares greedy answers: leave --temp at 0")
-    loaded, tokenizer = _load(model, draft, draft_quant, stages, peer_timeout)
+    loaded, tokenizer = _load(model, draft, draft_quant, stages, peer_timeout, draft_window=draft_window)
     with _ranks(loaded):
         if levels is not None:
             if not loaded.runner.batches:
@@ -412,7 +428,7 @@ def _bench(loaded, tokenizer, block_tokens, max_tokens, temp, sampling, workload
     rows = bench_lib.summarize(runs)
     table = bench_lib.table(rows, show_context=any(contexts), mlx_lm=baseline is not None, sampled=temp > 0,
                             pass_ms=loaded.runner.ranks > 1)
-    Console(width=None if sys.stdout.isatty() else 150).print(table)
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
     backend = bench_lib.compute_backend()
     if bench_lib.reference_blas_only(backend):
         console.print(
@@ -461,6 +477,7 @@ def serve(
     model: Model = None,
     draft: Draft = None,
     draft_quant: DraftQuant = "none",
+    draft_window: DraftWindow = "auto",
     block_tokens: BlockTokens = "auto",
     host: Annotated[str, typer.Option("--host", help="Interface to listen on (loopback by default: only this machine).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="TCP port.")] = 8080,
@@ -504,7 +521,7 @@ def serve(
     origins = [o.strip() for o in allowed_origins.split(",") if o.strip()]
     log_level = LogLevel(log_level).value
     logging.basicConfig(level=log_level, format="%(asctime)s - %(levelname)s - %(message)s")
-    loaded, tokenizer = _load(model, draft, draft_quant, stages, peer_timeout)
+    loaded, tokenizer = _load(model, draft, draft_quant, stages, peer_timeout, draft_window=draft_window)
     with _ranks(loaded):
         _check_block_tokens((loaded, tokenizer), block_tokens)
         if not loaded.runner.batches and max_concurrent > 1:

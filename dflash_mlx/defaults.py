@@ -20,6 +20,11 @@ from .target_conversion import convert_target
 
 DEMO = "demo"
 DEMO_DIR = Path(__file__).parent / "demo"
+# The demo draft was trained on windows of 1024 tokens (its model card): it never saw more context
+# than that, and with the last 1024 tokens it accepts as much as with all of them at every length
+# measured, for a draft pass that stops growing with the context (docs/design.md, "The draft's
+# context"). Other drafts keep their whole context unless told otherwise.
+DEMO_DRAFT_WINDOW = 1024
 TARGET_FOLDER = "Qwopus3.5-9B-Coder-mlx-4bit"
 DRAFT_FOLDER = "Qwen3.5-9B-DFlash-for-Qwopus"
 
@@ -34,6 +39,14 @@ def demo(draft: Optional[str] = None) -> Tuple[str, str]:
             "python examples/make_demo.py --work BUILD --install"
         )
     return str(DEMO_DIR / "target"), draft or str(DEMO_DIR / "draft")
+
+
+def draft_window(draft_path) -> Optional[int]:
+    """The draft's context window a pair runs with unless told (``load(draft_window="auto")``): the
+    demo draft's training window, None (the whole context) for any other draft."""
+    if draft_path is not None and Path(draft_path).resolve() == (DEMO_DIR / "draft").resolve():
+        return DEMO_DRAFT_WINDOW
+    return None
 
 
 def resolve(model: Optional[str], draft: Optional[str]) -> Tuple[str, Optional[str]]:

@@ -383,7 +383,10 @@ def diagnose(model: Optional[str] = None, draft: Optional[str] = None, draft_qua
         _describe_draft(report, draft_dir)
     if target_dir is not None:
         dtype = device_lib.draft_activation_dtype(facts)
-        report.memory = estimate_memory(target_dir, draft_dir, draft_quant, context, draft_dtype=dtype)
+        from .defaults import draft_window  # the window load gives this draft unless told
+
+        report.memory = estimate_memory(target_dir, draft_dir, draft_quant, context, draft_dtype=dtype,
+                                        draft_window=draft_window(draft_dir))
         budget = int(memory_gb * GiB) if memory_gb else (facts.recommended_working_set or facts.memory_bytes)
         source = "--memory-gb" if memory_gb else ("MLX's recommended working set" if facts.recommended_working_set else "total memory")
         if ranks > 1:

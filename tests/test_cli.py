@@ -155,12 +155,15 @@ def test_bench_writes_json_and_png(pair, tmp_path):
     assert done.returncode == 0, done.stderr
     results = json.loads((tmp_path / "bench.json").read_text())
     assert {r["context_tokens"] for r in results["summary"]} == {48} and results["meta"]["contexts"] == [48]
-    assert "context" in done.stdout
+    assert "context" in done.stdout and "CPU speedup" in done.stdout and "TTFT s" in done.stdout
     rows = {(r["suite"], r["block_tokens"]) for r in results["summary"]}
     assert rows == {(s, b) for s in ("edit", "code") for b in ("4", "8", "auto")}
     for r in results["summary"]:
         assert r["identical"] and r["baseline_tps"] > 0 and r["dflash_tps"] > 0 and r["mlx_lm_tps"] > 0
         assert set(r) >= {"speedup", "speedup_vs_mlx_lm", "tokens_per_cycle", "acceptance_rate", "peak_memory_gb", "accepted_lengths", "block_shares"}
+        # what a step and a cycle take, each side's time to first token, the speedup in CPU time
+        assert r["step_ms"] > 0 and r["cycle_ms"] > 0 and r["baseline_ttft_s"] > 0 and r["dflash_ttft_s"] > 0
+        assert r["cpu_speedup"] > 0
         assert sum(r["block_shares"].values()) == pytest.approx(1.0)
         # auto's rows show the share of its cycles' time spent exploring; fixed sizes explore nothing
         assert (0 <= r["probe_share"] <= 1) if r["block_tokens"] == "auto" else r["probe_share"] is None
@@ -303,3 +306,22 @@ def test_serve_refuses_bad_defaults_before_loading(tmp_path):
     for flag in ("--temp", "--top-p", "--top-k", "--min-p"):
         assert "A request's own value wins; then this flag; then the target's generation_config.json" in helps[flag]
     assert "enable_thinking" in helps["--chat-template-args"]
+
+
+def test_draft_window_flag_and_the_pairs_default(tmp_path):
+    """--draft-window: a bad value is one line before loading; the demo draft keeps its training
+    window unless told ('all': the whole context, N: the last N tokens), any other draft its whole
+    context (docs/design.md, "The draft's context")."""
+    from dflash_mlx import defaults
+
+    for bad in ("0", "-3", "x"):
+        done = in_process("generate", "-m", str(tmp_path / "missing"), "--draft-window", bad, "-p", "hi")
+        assert done.exit_code == 1 and f"--draft-window {bad!r}" in done.stderr, done.stderr
+    assert load("demo")[0].draft_window == defaults.DEMO_DRAFT_WINDOW == 1024
+    assert load("demo", draft_window=None)[0].draft_window is None
+    assert load("demo", draft_window=256)[0].draft_window == 256
+    target_dir, _ = defaults.demo()
+    tiny.write_draft(tmp_path / "draft", tiny.draft_config(json.loads(Path(target_dir, "config.json").read_text())))
+    assert load(target_dir, draft=str(tmp_path / "draft"))[0].draft_window is None
+    done = in_process("generate", "-m", "demo", "--draft-window", "all", "-p", "def add(a, b):", "--max-tokens", "8", "--json")
+    assert done.exit_code == 0, done.stderr

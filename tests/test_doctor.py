@@ -206,7 +206,7 @@ def test_memory_estimate_agrees_with_a_measured_run(pair, context, tmp_path):
     mx.clear_cache()
     base = mx.get_active_memory()
     mx.reset_peak_memory()
-    model, tokenizer = load(target_dir, draft=draft_dir)
+    model, tokenizer = load(target_dir, draft=draft_dir, draft_window=None)  # the draft's whole context
     prompt = np.random.default_rng(0).integers(3, 400, context - new).tolist()
     for _ in stream_generate(model, tokenizer, prompt, max_tokens=new, block_tokens=model.draft.block_size):
         pass
