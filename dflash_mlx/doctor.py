@@ -117,12 +117,27 @@ def _context_rows(cache, feed: List[int], windows: List[Optional[int]], block: i
     return _cache_rows(cache, feed)
 
 
-def _chunks(context: int, chunk: int, decode: int = 16) -> List[int]:
-    """How a run at ``context`` feeds its caches: the prompt in chunks and its last token alone (as
-    ``prefill.prefill``), then a few decode steps."""
-    prompt = max(context - decode, 1)
-    ends = sorted({*range(chunk, prompt, chunk), prompt - 1, prompt} - {0})
+def _prompt_length(context: int, decode: int = 16) -> int:
+    return max(context - decode, 1)
+
+
+def _chunks(context: int, chunk: int, decode: int = 16, features_from: int = 0) -> List[int]:
+    """How a run at ``context`` feeds its caches: the prompt in chunks, split where the draft's
+    window starts (``features_from``), and its last token alone (as ``prefill.prefill``), then a
+    few decode steps."""
+    prompt = _prompt_length(context, decode)
+    ends = sorted({*range(chunk, prompt, chunk), prompt - 1, prompt, *([features_from] if 0 < features_from < prompt else [])}
+                  - {0})
     return [e - s for s, e in zip([0] + ends, ends)] + [1] * (context - prompt)
+
+
+def _first_kept(windows: List[Optional[int]], prompt: int) -> int:
+    """``prefill.features_from`` from the layers' kept rows: the first prompt position whose
+    features some layer keeps (0 unless every context-reading layer keeps a window)."""
+    kept = [w for w in windows if w != 0]
+    if not kept or any(w is None for w in kept):
+        return 0
+    return max(prompt - max(kept), 0)
 
 
 def _draft_windows(draft_args, draft_window: Optional[int]) -> List[Optional[int]]:
@@ -197,7 +212,10 @@ def estimate_memory(target_dir: Path, draft_dir: Optional[Path], draft_quant: Op
     out = {"target weights": sum(b for _, _, b in tensors.values())}
     n_attn = sum(t == "full_attention" for t in args.layer_types)
     n_lin = len(args.layer_types) - n_attn
-    feed = _chunks(context, chunk)
+    first_kept = 0
+    if draft_dir is not None:
+        first_kept = _first_kept(_draft_windows(DraftArgs.from_dict(read_config(draft_dir)), draft_window), _prompt_length(context))
+    feed = _chunks(context, chunk, features_from=first_kept)
     kv_bytes = n_attn * 2 * args.num_key_value_heads * args.head_dim * element  # per cached position
     kv, grown, fed = KVCache(), [], 0  # the KV rows after each prompt chunk: the peak may come at any
     for n in feed:
@@ -229,7 +247,9 @@ def estimate_memory(target_dir: Path, draft_dir: Optional[Path], draft_quant: Op
     # The peak: after some prompt chunk (its working memory over the KV caches so far; the draft's
     # cache is reserved whole at the start) or in a verify cycle (over the final caches). What it
     # adds to the final caches is the working memory.
-    prefill = max(kv_bytes * rows + prefill_working_memory(args, end, n, element, taps, draft_element, draft_layers, draft_kv)
+    # Chunks before the draft's window run untapped: no features, no draft pass.
+    prefill = max(kv_bytes * rows + prefill_working_memory(args, end, n, element, taps if end > first_kept else [],
+                                                           draft_element, draft_layers, draft_kv)
                   for n, end, rows in grown if n > 1 or end == 1) - out["attention KV caches"]
     decode = decode_working_memory(args, block or 1, element, tape)
     out[f"working memory ({'prefill' if prefill >= decode else 'verify'})"] = max(prefill, decode)
