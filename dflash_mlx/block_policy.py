@@ -74,6 +74,11 @@ COLLAPSE = 0.002  # a run of first-slot rejections this unlikely: acceptance col
 OPTIMISM = 0.7  # decisions count each slot's acceptance this many standard errors high (see values)
 CLOSE_CALL = 0.9  # drafting within 10% of plain decoding: probe at the shortest gap
 RESTART_KEEP = 2.0  # outcomes per slot a restart keeps
+# Cycles per slot the last request's acceptance counts for at the start of the next: two, so that a
+# request whose workload differs (an agent's short tool answer after a long copy) drops a wrong
+# prior in two or three cycles, each of which costs a cycle where a plain step was due (2.6 plain
+# steps at 4k on this CPU); with four it took three to six.
+PRIOR_WEIGHT = 2.0
 FORGET = 0.97  # per outcome of a slot: acceptance remembers about the last 30 of them
 CONTEXT_UNIT = 4096  # tokens: CycleCosts' context slopes are seconds per this many tokens of context
 
@@ -539,7 +544,7 @@ class AutoBlock:
         if cap < 1:
             raise ValueError(f"auto block cap must be at least 1, got {cap}")
         self.stats, self.cap, self.can_shadow = stats, cap, shadow and cap > 1
-        self.acceptance = stats.acceptance.as_prior()
+        self.acceptance = stats.acceptance.as_prior(PRIOR_WEIGHT)
         stats.acceptance = self.acceptance  # the next request's prior is this one's result
         self.gap = stats.probe_gap  # where the last request left it: probes thin out across requests too
         self.context = stats.context

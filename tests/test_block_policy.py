@@ -476,3 +476,23 @@ def test_probe_time_is_kept_for_bench_and_metrics():
     assert stats.probe_regret <= block_policy.PROBE_SHARE * stats.seconds + block_policy.PROBE_BURST * demo_cost(4, 9000)
     controller = AutoBlock(stats, 4)
     assert (controller.seconds, controller.probe_seconds, controller.probe_regret, controller.probe_cycles) == (0, 0, 0, 0)
+
+
+def test_a_short_request_after_a_workload_change_drops_the_last_ones_prior_quickly():
+    """An agent's session at 4k tokens: a long request the draft copies (90% per slot), then short
+    answers (22 tokens) it gets wrong (10%), where a block-4 cycle costs 2.6 plain steps. The first
+    short answer starts from the copying request's acceptance: it drafts at most three cycles before
+    plain steps, and stays at 0.8x of the target alone or better (with the prior counting four
+    cycles per slot it drafted three to six and fell to 0.70x); the next ones run at 0.95x or better."""
+    for seed in range(4):
+        stats = BlockStats.seeded(seed)
+        simulate(lambda t, n: [0.9], 150, cost=steep_cost, draft=steep_draft, seed=seed, stats=stats, start=4096)
+        for turn in range(3):
+            record = []
+            chosen, _, seconds = simulate(lambda t, n: [0.1], 22, cost=steep_cost, draft=steep_draft,
+                                          seed=100 + seed + turn, stats=stats, start=4096, record=record)
+            alone = target_alone(record, steep_cost) / seconds
+            if turn == 0:
+                assert sum(b > 1 for b in chosen) <= 3 and alone >= 0.8, (seed, chosen, alone)
+            else:
+                assert alone >= 0.95, (seed, turn, chosen, alone)
