@@ -660,12 +660,3 @@ def _replay_prefix(state, k, g, delta, steps: int, chunked: bool):
     handful of tiny operations per layer otherwise, each paying a dispatch on CPU."""
     return (tape_replay_chunked if chunked else tape_replay_reference)(state, k, g, delta, steps)
 
-
-def gated_delta(q, k, v, g, beta, state=None):
-    """The recurrence as this process runs it now (``Recurrence.for_this_process``)."""
-    return Recurrence.for_this_process().gated_delta(q, k, v, g, beta, state)
-
-
-def tape_replay(state, k, g, delta, steps: int):
-    """The replay as this process runs it now (``Recurrence.for_this_process``)."""
-    return Recurrence.for_this_process().tape_replay(state, k, g, delta, steps)

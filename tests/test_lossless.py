@@ -233,11 +233,12 @@ def test_replayed_state_is_bit_identical_to_the_forward_state(monkeypatch):
 
     monkeypatch.setenv(kernels.BACKEND_ENV, "reference")
     q, k, v, g, beta, state = _recurrence_inputs()
+    recurrence = kernels.Recurrence.for_this_process()
     T = q.shape[1]
     for n in range(T + 1):
-        _, direct, _ = kernels.gated_delta(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], state) if n else (None, state, None)
-        _, _, tape = kernels.gated_delta(q, k, v, g, beta, state)
-        np.testing.assert_array_equal(np.array(kernels.tape_replay(state, k, g, tape, n)), np.array(direct))
+        _, direct, _ = recurrence.gated_delta(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], state) if n else (None, state, None)
+        _, _, tape = recurrence.gated_delta(q, k, v, g, beta, state)
+        np.testing.assert_array_equal(np.array(recurrence.tape_replay(state, k, g, tape, n)), np.array(direct))
 
 
 @pytest.mark.parametrize("T", [1, 2, 7, 16, 150])
