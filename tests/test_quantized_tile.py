@@ -13,19 +13,15 @@ import pytest
 
 from dflash_mlx import device, kernels, quantized, traffic
 from tests.metal_emulation import HIGHEST_FIRST, LOWEST_FIRST, PARALLEL, EmulatedMetal, mutated_sources
-from tests.test_quantized_verify import DTYPES, FORMS, assert_matches_reference, exact, layer
+from tests.test_quantized_verify import DTYPES, FORMS, assert_matches_reference, caught, emulated, exact, layer
+from tests.test_quantized_verify import run as verify_run
 
 TILE = quantized.TILE
 ALL_DTYPES = DTYPES + [mx.float32]
 
 
-def emulated(sources=None, schedule=LOWEST_FIRST) -> kernels.MetalKernels:
-    return kernels.MetalKernels(EmulatedMetal(schedule, sources), self_check=False)
-
-
 def run(metal, x, w, scales, biases, mode, bits, group_size, rows=None):
-    launch = quantized.quantized_verify_launch(x, w, scales, biases, group_size, bits, mode, rows=rows, impl=TILE)
-    return metal.run(launch)[0]
+    return verify_run(metal, x, w, scales, biases, mode, bits, group_size, rows, impl=TILE)
 
 
 @pytest.mark.slow  # the tile kernel in the C++ emulator, 42 specializations
@@ -115,20 +111,9 @@ TILE_MUTANT_FORM = {name: ("mxfp4", 4, 32) for name in TILE_MUTATIONS if name.st
 
 
 def tile_caught(sources, form, schedule) -> bool:
-    """The reference comparison on 12 rows (two row tiles) over 41 columns (a partial threadgroup),
-    and the row-independence comparison on cancelling rows: the last row against itself alone."""
-    mode, bits, group_size = form
-    x, cancelling, w, scales, biases = quantized.cancelling_layer(12, 512, 41, bits, group_size, mode, mx.float16, seed=7)
-    metal = emulated(sources, schedule)
-    try:
-        got = run(metal, x, w, scales, biases, mode, bits, group_size)
-        assert_matches_reference(got, x, w, scales, biases, mode, bits, group_size)
-        rows = run(metal, cancelling, w, scales, biases, mode, bits, group_size)
-        np.testing.assert_array_equal(exact(rows[-1]), exact(run(metal, cancelling[-1:], w, scales, biases, mode, bits,
-                                                                  group_size)[0]))
-    except AssertionError:
-        return True
-    return False
+    """``test_quantized_verify.caught`` through the tile kernel, on 12 rows (two row tiles) over 41
+    columns (a partial threadgroup)."""
+    return caught(sources, form, schedule, impl=TILE, shape=(12, 512, 41), seed=7)
 
 
 @pytest.mark.slow  # builds mutated kernels in the emulator

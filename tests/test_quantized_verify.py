@@ -36,8 +36,8 @@ def layer(seed, K, N, mode, bits, group_size, dtype, M=16):
     return x, w, scales, (biases[0] if biases else None)
 
 
-def run(metal, x, w, scales, biases, mode, bits, group_size, rows=None):
-    launch = quantized.quantized_verify_launch(x, w, scales, biases, group_size, bits, mode, rows=rows)
+def run(metal, x, w, scales, biases, mode, bits, group_size, rows=None, impl=quantized.OURS):
+    launch = quantized.quantized_verify_launch(x, w, scales, biases, group_size, bits, mode, rows=rows, impl=impl)
     return metal.run(launch)[0]
 
 
@@ -130,18 +130,19 @@ MUTATIONS = {
 MUTANT_FORM = {"e2m1 sign lost": ("mxfp4", 4, 32)}
 
 
-def caught(sources, form, schedule) -> bool:
+def caught(sources, form, schedule, impl=quantized.OURS, shape=(4, 1024, 8), seed=5) -> bool:
     """The reference comparison, and the row-independence comparison on cancelling rows (each
-    output the rounding error of its own summation order: a 16-bit output shows an order change)."""
+    output the rounding error of its own summation order: a 16-bit output shows an order change):
+    the last of ``shape``'s M rows (M, K, N) against itself alone."""
     mode, bits, group_size = form
-    x, cancelling, w, scales, biases = quantized.cancelling_layer(4, 1024, 8, bits, group_size, mode, mx.float16, seed=5)
+    x, cancelling, w, scales, biases = quantized.cancelling_layer(*shape, bits, group_size, mode, mx.float16, seed=seed)
     metal = emulated(sources, schedule)
     try:
-        got = run(metal, x, w, scales, biases, mode, bits, group_size)
+        got = run(metal, x, w, scales, biases, mode, bits, group_size, impl=impl)
         assert_matches_reference(got, x, w, scales, biases, mode, bits, group_size)
-        rows = run(metal, cancelling, w, scales, biases, mode, bits, group_size)
-        np.testing.assert_array_equal(exact(rows[-1]), exact(run(metal, cancelling[-1:], w, scales, biases, mode, bits,
-                                                                  group_size)[0]))
+        rows = run(metal, cancelling, w, scales, biases, mode, bits, group_size, impl=impl)
+        alone = run(metal, cancelling[-1:], w, scales, biases, mode, bits, group_size, impl=impl)[0]
+        np.testing.assert_array_equal(exact(rows[-1]), exact(alone))
     except AssertionError:
         return True
     return False
