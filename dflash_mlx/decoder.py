@@ -36,33 +36,32 @@ GREEDY = Sampler()  # shadows grade drafts by greedy tokens
 ROW_LIMIT = 64
 
 
+def products_row_independent() -> bool:
+    """Whether a product's row is the same bits whatever rows share the call, at any row count,
+    on this process's device. On the CPU, yes (MLX's CPU matmuls, float and quantized, at one row
+    too; and the recurrence runs one algebra at every length, ``kernels._chunk_one``). On a GPU a
+    single row takes a matrix-vector kernel, attention kernels are picked by query count, and the
+    verify kernel holds up to ``quantized.MAX_ROWS`` rows. ``batch_row_limit``, ``batch_min_rows``
+    and the draft's per-sequence work after a verify pass (one call for all, or one per sequence)
+    follow from it."""
+    return mx.default_device() != mx.gpu
+
+
 def batch_row_limit() -> int:
-    """Rows one batched target pass may take on this process's device. On a GPU the quantized
-    layers' verify kernel is row-independent up to ``quantized.MAX_ROWS`` rows and stock MLX runs
-    past it (its sums round apart), so a pass stays within the kernel: a sequence's bits never
-    depend on how many rows its batch-mates add (and past a few rows a pass is arithmetic-bound on
-    M1-M4 anyway, docs/kernels.md). On the CPU every product is row-independent: ``ROW_LIMIT``."""
-    return MAX_ROWS if mx.default_device() == mx.gpu else ROW_LIMIT
+    """Rows one batched target pass may take. On a GPU the quantized layers' verify kernel is
+    row-independent up to ``quantized.MAX_ROWS`` rows and stock MLX runs past it (its sums round
+    apart), so a pass stays within the kernel: a sequence's bits never depend on how many rows its
+    batch-mates add (and past a few rows a pass is arithmetic-bound on M1-M4 anyway,
+    docs/kernels.md). On the CPU: ``ROW_LIMIT``."""
+    return ROW_LIMIT if products_row_independent() else MAX_ROWS
 
 
 def batch_min_rows() -> int:
-    """Rows the batched engine feeds each sequence at least, on this process's device, so that a
-    sequence's numbers never depend on its batch-mates. On a GPU, MLX multiplies a single row with
-    a matrix-vector kernel whose sums round apart from its matrix kernel's, and picks its attention
-    kernel by query count: a plain step alone would not give the bits the same step gives beside a
-    batch-mate, so every sequence gets two rows at least (the second is padding, rolled back). On
-    the CPU, MLX's products are row-independent at any row count (one row included), and so is the
-    recurrence (the same chunked algebra at T = 1, ``kernels._chunk_one``): one row."""
-    return 2 if mx.default_device() == mx.gpu else 1
-
-
-def products_row_independent() -> bool:
-    """Whether a product's row is the same bits whatever rows share the call, at any row count:
-    then the draft's per-sequence work after the verify pass (the hand-off of committed features,
-    the head over proposals) runs once over every sequence's rows. On the CPU, yes (MLX's CPU
-    matmuls, float and quantized, at one row too). On a GPU a single row takes a matrix-vector
-    kernel and the verify kernel holds up to ``MAX_ROWS``: there each sequence runs its own call."""
-    return mx.default_device() != mx.gpu
+    """Rows the batched engine feeds each sequence at least, so that a sequence's numbers never
+    depend on its batch-mates: one where products are row-independent at one row too (the CPU);
+    else two (a plain step alone would take a GPU's one-row kernels, beside a batch-mate its
+    matrix kernels; the second row is padding, rolled back)."""
+    return 1 if products_row_independent() else 2
 
 
 def plan_blocks(wanted: Seq[int], row_limit: int = ROW_LIMIT) -> Tuple[int, List[int]]:
@@ -241,9 +240,15 @@ class Decoder:
     def finish(self, seq: Sequence) -> None:
         """A sequence leaving: its plain steps' features reach the draft, so that its draft cache is
         level with its target cache (what a prompt cache keeps)."""
-        if seq.pending and self.draft is not None:
-            self.draft.add_context(mx.concatenate(seq.pending, axis=1), seq.draft_cache)
-            seq.pending.clear()
+        self._hand_off_pending([seq])
+
+    def _hand_off_pending(self, batch: Seq[Sequence]) -> None:
+        """The features of each sequence's plain steps since its last draft pass, to its draft."""
+        waiting = [seq for seq in batch if seq.pending]
+        if waiting and self.draft is not None:
+            self._hand_off([mx.concatenate(seq.pending, axis=1) for seq in waiting], [seq.draft_cache for seq in waiting])
+            for seq in waiting:
+                seq.pending.clear()
 
     def _plan(self, batch: Seq[Sequence]) -> List[Step]:
         """Each sequence's block (its controller's choice within its budget, then ``plan_blocks``)
@@ -275,13 +280,9 @@ class Decoder:
         """One draft pass for every drafting sequence's block (and every shadow); the plain steps'
         features reach the draft first."""
         draft = self.draft
-        waiting = [seq for seq, _ in drafting if seq.pending]
         for seq, step in drafting:
             step.handed_off = len(seq.pending)
-        if waiting:
-            self._hand_off([mx.concatenate(seq.pending, axis=1) for seq in waiting], [seq.draft_cache for seq in waiting])
-            for seq in waiting:
-                seq.pending.clear()
+        self._hand_off_pending([seq for seq, _ in drafting])
         blocks = [mx.concatenate([seq.token, mx.full((max(step.block, step.ahead + 1) - 1,), draft.mask_token_id,
                                                     seq.token.dtype)]) for seq, step in drafting]
         samplers = [seq.sampler if step.block > 1 else GREEDY for seq, step in drafting]

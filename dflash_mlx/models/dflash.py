@@ -529,11 +529,15 @@ class DFlashDraft(nn.Module):
             caches.append(ContextCache(layer_window))
         return caches
 
-    def add_context(self, context: mx.array, cache: List[ContextCache]) -> None:
-        """Append committed tokens' tapped target features [B, S, taps*H] to the cache."""
+    def _context_states(self, context: mx.array) -> mx.array:
+        """Tapped target features [B, S, taps*H] -> the states every layer projects its context from."""
         if self.activation_dtype is not None:
             context = context.astype(self.activation_dtype)
-        ctx = self.hidden_norm(self.fc(context))
+        return self.hidden_norm(self.fc(context))
+
+    def add_context(self, context: mx.array, cache: List[ContextCache]) -> None:
+        """Append committed tokens' tapped target features [B, S, taps*H] to the cache."""
+        ctx = self._context_states(context)
         for layer, c in zip(self.layers, cache):
             layer.self_attn.add_context(ctx, self.rope, c)
 
@@ -548,9 +552,7 @@ class DFlashDraft(nn.Module):
         S = max(lengths)
         context = mx.concatenate([c if c.shape[1] == S else mx.pad(c, [(0, 0), (0, S - c.shape[1]), (0, 0)])
                                   for c in contexts])
-        if self.activation_dtype is not None:
-            context = context.astype(self.activation_dtype)
-        ctx = self.hidden_norm(self.fc(context))
+        ctx = self._context_states(context)
         for i, layer in enumerate(self.layers):
             layer.self_attn.add_context_batch(ctx, lengths, self.rope, [cache[i] for cache in caches])
 
