@@ -91,7 +91,7 @@ def measure(target, draft, cache, draft_caches, token, block, taps, repeats):
             mx.eval(out["logits"], out["features"], cache_arrays(cache))
 
         keep("verify pass", timed(verify))
-        keep("rollback", timed(lambda: (rollback(cache, fed=block, keep=1), mx.eval(cache_arrays(cache)))))
+        keep("rollback", timed(lambda: (rollback(cache, fed=block, kept=1), mx.eval(cache_arrays(cache)))))
         keep("hand-off", timed(lambda: (draft.add_context(out["features"][:, :1], dcache), mx.eval(cache_arrays(dcache)))))
         restore(cache, undo)
         rewind(dcache, offsets)
