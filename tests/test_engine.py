@@ -80,3 +80,39 @@ def test_the_worker_starts_once_every_field_exists(engine, monkeypatch):
     monkeypatch.setattr(threading, "Thread", Recording)
     made = Engine(engine.model, engine.tokenizer, "tiny")
     assert fields_at_start == [set(vars(made))]
+
+
+def _response(text: str, n: int, finish=None):
+    from dflash_mlx.api import GenerationResponse
+
+    return GenerationResponse(text=text, token=n, logprobs=None, from_draft=False, prompt_tokens=3, prompt_tps=0.0,
+                              generation_tokens=n, generation_tps=0.0, peak_memory=0.0, finish_reason=finish)
+
+
+def test_the_tokens_of_one_cycle_wake_the_loop_once_and_reach_the_client_as_one_event(monkeypatch):
+    """A cycle's tokens, emitted together by the worker, are handed to the event loop in one call
+    and come out of ``job_events`` as one ``token`` event: their texts joined in order, the last
+    one's statistics. A ``done`` after them is kept, and a token emitted later is its own event."""
+    from dflash_mlx.server.engine import Job, job_events
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        handovers = []
+        real = loop.call_soon_threadsafe
+        monkeypatch.setattr(loop, "call_soon_threadsafe", lambda *args: (handovers.append(args), real(*args))[1])
+        job = Job([1, 2, 3], {}, asyncio.Queue(), loop)
+        events = job_events(job)
+        for i, text in enumerate(["def", " f", "(x", "):"]):  # one cycle's commit, before the loop runs
+            job.emit("token", _response(text, i + 1))
+        first = await events.__anext__()
+        job.emit("token", _response("\n", 5, finish="stop"))
+        job.emit("done")
+        rest = [event async for event in events]
+        return handovers, [first, *rest]
+
+    handovers, events = asyncio.run(scenario())
+    assert len(handovers) == 2  # the first cycle's four tokens in one hand-over, then the last token and done
+    assert [kind for kind, _ in events] == ["token", "token", "done"]
+    (_, joined), (_, last) = events[0], events[1]
+    assert (joined.text, joined.generation_tokens) == ("def f(x):", 4)
+    assert (last.text, last.generation_tokens, last.finish_reason) == ("\n", 5, "stop")

@@ -21,10 +21,11 @@ import queue
 import sys
 import threading
 import time
+from collections import deque
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Deque, Dict, List, Optional, Union
 
 from starlette.requests import Request
 
@@ -276,16 +277,35 @@ class Job:
     last: Optional[GenerationResponse] = None  # the latest token's response (for the request's log line)
     error: Optional[str] = None  # why the generation failed, if it did
     submitted: float = 0.0  # perf_counter at submission (time to first token)
+    # Events the worker emitted that the event loop has not taken yet, and whether their hand-over
+    # is scheduled: a cycle commits several tokens at once, and waking the loop for each one (a
+    # write to its self-pipe, a task switch, the GIL passed back and forth with a busy worker)
+    # slowed four streams at once by a tenth on a 2-core machine (docs/benchmarks.md).
+    outbox: Deque[tuple] = field(default_factory=deque)
+    handing_over: bool = False
 
     def cancel(self, reason: Optional[str] = None) -> None:
         self.cancel_reason = self.cancel_reason or reason
         self.cancelled.set()
 
     def emit(self, kind: str, payload=None) -> None:
+        """From the worker's thread: queue an event for the request's handler, waking the event loop
+        once for all the events emitted before it runs."""
+        self.outbox.append((kind, payload))
+        if self.handing_over:
+            return
+        self.handing_over = True
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, payload))
+            self.loop.call_soon_threadsafe(self._hand_over)
         except RuntimeError:  # the event loop is closed (the server stopped): nobody is listening
             pass
+
+    def _hand_over(self) -> None:
+        """On the event loop: every event emitted so far into the queue, in order. (The flag is
+        cleared first: an event emitted meanwhile is either taken here or schedules the next call.)"""
+        self.handing_over = False
+        while self.outbox:
+            self.queue.put_nowait(self.outbox.popleft())
 
 
 class Engine:
@@ -557,12 +577,17 @@ def current_engine(request: Request) -> Engine:
 async def job_events(job: Job, failure_kind: str = "server_error", keepalive: Optional[float] = None):
     """A job's ``token`` and ``done`` events as the worker sends them; an ``error`` becomes an
     ``APIError`` (a 500, or a 503 when the server is stopping; ``failure_kind`` in the protocol's
-    words). With ``keepalive``, a ``keepalive`` event whenever that many seconds pass without one
-    (the job waits in the queue, or prefills). Leaving the loop (a client gone, or the end)
-    cancels the job."""
+    words). Tokens already waiting come out as one ``token`` event (their texts joined, the last
+    one's statistics): a cycle commits several at once, and a message each would cost the server's
+    event loop and the client a message per token for nothing. With ``keepalive``, a
+    ``keepalive`` event whenever that many seconds pass without one (the job waits in the queue, or
+    prefills). Leaving the loop (a client gone, or the end) cancels the job."""
+    held = None  # an event taken while joining tokens, not one: handed on next
     try:
         while True:
-            if keepalive is None:
+            if held is not None:
+                (kind, payload), held = held, None
+            elif keepalive is None:
                 kind, payload = await job.queue.get()
             else:
                 try:
@@ -570,6 +595,15 @@ async def job_events(job: Job, failure_kind: str = "server_error", keepalive: Op
                 except asyncio.TimeoutError:
                     yield "keepalive", None
                     continue
+            if kind == "token" and not job.queue.empty():
+                texts = [payload.text]
+                while not job.queue.empty():
+                    held = job.queue.get_nowait()
+                    if held[0] != "token":
+                        break
+                    (_, payload), held = held, None
+                    texts.append(payload.text)
+                payload = replace(payload, text="".join(texts))
             if kind == "error":
                 raise APIError(*payload, failure_kind)
             yield kind, payload
