@@ -34,14 +34,23 @@ def tokenizer(tmp_path_factory):
 
 
 def stream(tokenizer, pieces, finish="stop"):
-    """The chunks ``_Reply.stream`` sends for an answer arriving in ``pieces``."""
+    """The chunks ``_Reply.stream`` sends for an answer arriving in ``pieces``, each piece taken by
+    the handler before the next arrives (tokens that wait together are joined into one event)."""
     async def run():
         job = Job(None, {}, asyncio.Queue(), asyncio.get_running_loop())
-        for i, piece in enumerate(pieces):
-            job.queue.put_nowait(("token", SimpleNamespace(text=piece, finish_reason=finish if i == len(pieces) - 1 else None,
-                                                           prompt_tokens=5, generation_tokens=i + 1, cached_prompt_tokens=0)))
-        job.queue.put_nowait(("done", None))
-        return [chunk async for chunk in _Reply("chat.completion", "m", tokenizer, TOOLS).stream(job, False)]
+
+        async def produce():
+            for i, piece in enumerate(pieces):
+                job.queue.put_nowait(("token", SimpleNamespace(text=piece, finish_reason=finish if i == len(pieces) - 1 else None,
+                                                               prompt_tokens=5, generation_tokens=i + 1, cached_prompt_tokens=0)))
+                while not job.queue.empty():
+                    await asyncio.sleep(0)
+            job.queue.put_nowait(("done", None))
+
+        producer = asyncio.create_task(produce())
+        chunks = [chunk async for chunk in _Reply("chat.completion", "m", tokenizer, TOOLS).stream(job, False)]
+        await producer
+        return chunks
 
     chunks = asyncio.run(run())
     return [json.loads(c[len("data: "):]) for c in chunks if c.startswith("data: {")]
