@@ -3,11 +3,12 @@ when they finish, each exactly as it would run alone through the same engine.
 
 One scheduling round: the cycles in flight are read back (``decoder.Decoder.resolve``);
 cancelled requests leave; waiting ones are admitted while the batch has room (in arrival order);
-the request being prefilled runs one chunk; the next cycle is dispatched for every active request
-(nothing read back), and only then are the cycle's commits turned into responses by each
-request's own ``Responder``, while that cycle computes (as the single-stream loop dispatches
-ahead). So active streams pause for at most one prefill chunk (``BATCH_PREFILL_STEP`` tokens)
-while a long prompt comes in, and a cancelled request frees its slot at the next round. A request
+the requests being prefilled run their chunks, ``BATCH_PREFILL_STEP`` prompt tokens at most in all
+(at least one chunk); the next cycle is dispatched for every active request (nothing read back),
+and only then are the cycle's commits turned into responses by each request's own ``Responder``,
+while that cycle computes (as the single-stream loop dispatches ahead). So active streams pause
+for at most one prefill chunk's worth of tokens per round while a long prompt comes in, requests
+whose prompts are cached join together, and a cancelled request frees its slot at the next round. A request
 that a response finishes (a stop string) while its next cycle is in flight leaves when that cycle
 is read back, its caches put back where the cycle found them. Everything runs on the caller's
 thread (the server's worker): the prefix caches need no lock.
@@ -29,9 +30,9 @@ from .runner import drafting
 from .records import Commit
 from .sampling import Sampler
 
-# Prompt tokens per prefill chunk in the batch. One chunk runs per round, between the active
-# streams' cycles, so it is what they pause for at most while a prompt comes in: 512 rather than
-# the single stream's 2048 (``prefill.default_prefill_step``) keeps that pause a quarter as long
+# Prompt tokens per prefill chunk in the batch, and at most per round in all (at least one chunk
+# runs), between the active streams' cycles: what they pause for at most while a prompt comes in.
+# 512 rather than the single stream's 2048 (``prefill.default_prefill_step``) keeps that pause a quarter as long
 # (measured in docs/benchmarks.md). Every request through the scheduler, alone or not, prefills in
 # these chunks, so its caches are what it gets alone (on the CPU any multiple of the recurrence's
 # 64-token chunk gives the same bits as 2048, checked; on a GPU attention kernels may tile by
@@ -72,6 +73,8 @@ class BatchRequest:
     _respond: Optional[Responder] = None
     _history: Optional[PromptCache] = None
     _reused: int = 0
+    _prompt_size: int = 0
+    _left: int = 0  # prompt tokens still to prefill (0: its next prefill step samples the first token)
     _leaving: bool = False  # finished while its next cycle is in flight: leaves when it is read back
 
 
@@ -126,8 +129,7 @@ class Scheduler:
                 self._leave(r)
         while self.waiting and len(self.prefilling) + len(self.active) < self.max_active:
             self._admit(self.waiting.popleft())
-        if self.prefilling:
-            self._prefill_chunk(self.prefilling[0])
+        self._prefill_round()
         self._dispatch()
         for r, commit in answers:  # while the next cycle computes
             if not r.done:
@@ -169,6 +171,7 @@ class Scheduler:
                 cache, draft_cache = history.cache, history.draft_cache
                 split_at = [p - r._reused for p in history.split_points()]
             r._respond = Responder(self.tokenizer, ids.size, r._reused, r.stop or [], r.max_tokens, history)
+            r._prompt_size, r._left = ids.size, ids.size - r._reused
             r._prefill = self._decoder(draft is not None).start(
                 ids[r._reused:], sampler, chooser, cache, draft_cache, model.draft_window, r.max_tokens,
                 set(self.tokenizer.eos_token_ids), self.prefill_step_size, split_at)
@@ -177,6 +180,20 @@ class Scheduler:
             self._leave(r)
             return
         self.prefilling.append(r)
+
+    def _prefill_round(self) -> None:
+        """The prefill chunks of this round: the requests coming in, in arrival order, at most
+        ``prefill_step_size`` prompt tokens in all (and at least one chunk). Requests whose
+        prompts are cached, with a token or a few left to feed, all join the batch in one round
+        rather than one every two; a long prompt still runs one chunk per round."""
+        budget = self.prefill_step_size
+        while self.prefilling:
+            r = self.prefilling[0]
+            chunk = min(r._left, self.prefill_step_size)  # at most what its next chunk feeds
+            if chunk > budget:
+                return
+            self._prefill_chunk(r)
+            budget -= chunk
 
     def _prefill_chunk(self, r: BatchRequest) -> None:
         try:
@@ -191,6 +208,7 @@ class Scheduler:
             r.error = e
             self._leave(r)
             return
+        r._left = r._prompt_size - r._reused - fed
         if r._history is not None:
             r._history.fed(r._reused + fed)
 

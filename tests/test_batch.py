@@ -528,6 +528,50 @@ def test_a_long_prompt_pauses_the_active_streams_one_chunk_at_a_time(pair_model)
     assert len(prefill_rounds) >= 10 and all(prefill_rounds)  # the short stream got tokens every round
 
 
+def test_short_prompts_join_in_one_round_within_one_chunk_of_prefill(pair_model, monkeypatch):
+    """A round prefills several requests' chunks, in arrival order, up to ``prefill_step_size``
+    prompt tokens in all: three 20-token prompts join the batch in the first round (not one every
+    two rounds), a 50-token one waits for the next, and no round feeds more than the step. Each
+    answer is the one its request gets alone."""
+    from dflash_mlx import decoder as decoder_module
+
+    model, tokenizer = pair_model
+    fed_per_round: List[List[int]] = [[]]
+    real = decoder_module.prefill_chunks
+
+    def recording(target, prompt, *args, **kwargs):
+        chunks = real(target, prompt, *args, **kwargs)
+        start = 0
+        try:
+            while True:
+                end = next(chunks)
+                fed_per_round[-1].append(end - start)
+                start = end
+                yield end
+        except StopIteration as done:
+            return done.value
+
+    monkeypatch.setattr(decoder_module, "prefill_chunks", recording)
+    prompts = [p.tolist() for p in random_prompts(3, 200, seed=21, low=20, high=21)]
+    prompts.append(random_prompts(1, 200, seed=22, low=50, high=51)[0].tolist())
+    scheduler = Scheduler(model, tokenizer, 4, prefill_step_size=64)
+    tokens = {i: [] for i in range(4)}
+    for i, prompt in enumerate(prompts):
+        scheduler.submit(BatchRequest(prompt, emit=lambda r, i=i: tokens[i].append(r.token), max_tokens=6, block_tokens=4))
+    joined = []
+    while not scheduler.idle:
+        scheduler.step()
+        joined.append(len(scheduler.active))
+        fed_per_round.append([])
+    assert joined[0] == 3  # the three short prompts in the first round
+    assert sum(fed_per_round[0]) == 60 and sum(fed_per_round[1]) == 50
+    assert all(sum(round_) <= 64 for round_ in fed_per_round)
+    monkeypatch.setattr(decoder_module, "prefill_chunks", real)
+    for i, prompt in enumerate(prompts):
+        alone = schedule(model, tokenizer, [dict(prompt=prompt, max_tokens=6, block_tokens=4)], [0])[0][0]
+        assert tokens[i] == alone
+
+
 def test_seeded_sampling_does_not_depend_on_batch_mates(pair_model):
     model, tokenizer = pair_model
     prompts = [p.tolist() for p in random_prompts(4, 200, seed=13, low=5, high=20)]
