@@ -8,9 +8,9 @@ the requests being prefilled run their chunks, ``BATCH_PREFILL_STEP`` prompt tok
 and only then are the cycle's commits turned into responses by each request's own ``Responder``,
 while that cycle computes (as the single-stream loop dispatches ahead). So active streams pause
 for at most one prefill chunk's worth of tokens per round while a long prompt comes in, requests
-whose prompts are cached join together, and a cancelled request frees its slot at the next round. A request
-that a response finishes (a stop string) while its next cycle is in flight leaves when that cycle
-is read back, its caches put back where the cycle found them. Everything runs on the caller's
+whose prompts are cached join together, and a cancelled request frees its slot at the next round.
+A request that a response finishes (a stop string) while its next cycle is in flight leaves when
+that cycle is read back, its caches put back where the cycle found them. Everything runs on the caller's
 thread (the server's worker): the prefix caches need no lock.
 """
 
@@ -32,8 +32,8 @@ from .sampling import Sampler
 
 # Prompt tokens per prefill chunk in the batch, and at most per round in all (at least one chunk
 # runs), between the active streams' cycles: what they pause for at most while a prompt comes in.
-# 512 rather than the single stream's 2048 (``prefill.default_prefill_step``) keeps that pause a quarter as long
-# (measured in docs/benchmarks.md). Every request through the scheduler, alone or not, prefills in
+# 512 rather than the single stream's 2048 (``prefill.default_prefill_step``) keeps that pause a
+# quarter as long (measured in docs/benchmarks.md). Every request through the scheduler, alone or not, prefills in
 # these chunks, so its caches are what it gets alone (on the CPU any multiple of the recurrence's
 # 64-token chunk gives the same bits as 2048, checked; on a GPU attention kernels may tile by
 # query count, hence one size for all).

@@ -279,8 +279,8 @@ class Job:
     submitted: float = 0.0  # perf_counter at submission (time to first token)
     # Events the worker emitted that the event loop has not taken yet, and whether their hand-over
     # is scheduled: a cycle commits several tokens at once, and waking the loop for each one (a
-    # write to its self-pipe, a task switch, the GIL passed back and forth with a busy worker)
-    # slowed four streams at once by a tenth on a 2-core machine (docs/benchmarks.md).
+    # write to its self-pipe, a task switch, the GIL passed back and forth with the worker) cost
+    # requests one after another 8% of their time on a 2-core machine (docs/benchmarks.md).
     outbox: Deque[tuple] = field(default_factory=deque)
     handing_over: bool = False
 
