@@ -10,8 +10,8 @@ while that cycle computes (as the single-stream loop dispatches ahead). So activ
 for at most one prefill chunk's worth of tokens per round while a long prompt comes in, requests
 whose prompts are cached join together, and a cancelled request frees its slot at the next round.
 A request that a response finishes (a stop string) while its next cycle is in flight leaves when
-that cycle is read back, its caches put back where the cycle found them. Everything runs on the caller's
-thread (the server's worker): the prefix caches need no lock.
+that cycle is read back, its caches put back where the cycle found them. Everything runs on the
+caller's thread (the server's worker): the prefix caches need no lock.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from .sampling import Sampler
 # Prompt tokens per prefill chunk in the batch, and at most per round in all (at least one chunk
 # runs), between the active streams' cycles: what they pause for at most while a prompt comes in.
 # 512 rather than the single stream's 2048 (``prefill.default_prefill_step``) keeps that pause a
-# quarter as long (measured in docs/benchmarks.md). Every request through the scheduler, alone or not, prefills in
-# these chunks, so its caches are what it gets alone (on the CPU any multiple of the recurrence's
-# 64-token chunk gives the same bits as 2048, checked; on a GPU attention kernels may tile by
-# query count, hence one size for all).
+# quarter as long (measured in docs/benchmarks.md). Every request through the scheduler, alone or
+# not, prefills in these chunks, so its caches are what it gets alone (on the CPU any multiple of
+# the recurrence's 64-token chunk gives the same bits as 2048, checked; on a GPU attention kernels
+# may tile by query count, hence one size for all).
 BATCH_PREFILL_STEP = 512
 
 
@@ -73,8 +73,8 @@ class BatchRequest:
     _respond: Optional[Responder] = None
     _history: Optional[PromptCache] = None
     _reused: int = 0
-    _prompt_size: int = 0
-    _left: int = 0  # prompt tokens still to prefill (0: its next prefill step samples the first token)
+    _to_feed: int = 0  # prompt tokens its prefill feeds (those the prompt cache does not hold)
+    _left: int = 0  # of which still to feed (0: its next prefill step samples the first token)
     _leaving: bool = False  # finished while its next cycle is in flight: leaves when it is read back
 
 
@@ -171,7 +171,7 @@ class Scheduler:
                 cache, draft_cache = history.cache, history.draft_cache
                 split_at = [p - r._reused for p in history.split_points()]
             r._respond = Responder(self.tokenizer, ids.size, r._reused, r.stop or [], r.max_tokens, history)
-            r._prompt_size, r._left = ids.size, ids.size - r._reused
+            r._to_feed = r._left = ids.size - r._reused
             r._prefill = self._decoder(draft is not None).start(
                 ids[r._reused:], sampler, chooser, cache, draft_cache, model.draft_window, r.max_tokens,
                 set(self.tokenizer.eos_token_ids), self.prefill_step_size, split_at)
@@ -208,7 +208,7 @@ class Scheduler:
             r.error = e
             self._leave(r)
             return
-        r._left = r._prompt_size - r._reused - fed
+        r._left = r._to_feed - fed
         if r._history is not None:
             r._history.fed(r._reused + fed)
 

@@ -28,10 +28,10 @@ import statistics
 import time
 from collections import Counter
 
-from dflash_mlx.api import encode_prompt, load
-from dflash_mlx.bench import SUITES
 import mlx.core as mx
 
+from dflash_mlx.api import encode_prompt, load
+from dflash_mlx.bench import SUITES
 from dflash_mlx.block_policy import FixedBlock
 from dflash_mlx.cache import batch_view, cache_arrays, restore, snapshot
 from dflash_mlx.decoder import Decoder, batch_min_rows, products_row_independent
