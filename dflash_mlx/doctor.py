@@ -18,7 +18,7 @@ from .checkpoint_files import safetensors_header, text_part
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "fail"
 GiB = 1024**3
 # A prefill chunk's working memory on MLX's CPU backend, measured here (MLX 0.32): bytes per
-# attention score of a row block (cpu_attention keeps several [heads, rows, keys] arrays of a block,
+# attention score of a row block (layers.attention keeps several [heads, rows, keys] arrays of a block,
 # and the next block's first ones, alive: 30 in 16-bit, 18 in float32), and per token and channel
 # of a Gated DeltaNet layer's input (its depthwise conv1d: 37-41 for every dtype and shape tried
 # with the layer evaluated alone, 48 within a chunk's whole graph, where the layer's other

@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten
 from .. import quantized
 from ..quant import parse_quant
 from ..sampling import Sampler, propose
-from .layers import MLP
+from .layers import MLP, attention
 
 
 def evenly_spaced_layer_ids(num_target_layers: int, num_draft_layers: int) -> List[int]:
@@ -364,7 +364,7 @@ class DraftAttention(nn.Module):
         else:
             window = None if self.sliding_window is None else self.sliding_window - 1
             keys, values, n_ctx = cache.fetch_with_block(k, v, window)
-        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=self._mask(q.shape[2], n_ctx))
+        return attention(q, keys, values, self.scale, self._mask(q.shape[2], n_ctx))
 
     def _mask(self, L: int, n_ctx: int):
         if self.sliding_window is None or n_ctx == 0:

@@ -12,13 +12,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
 from .. import kernels, quantized
 from ..cache import GatedDeltaCache, GatedDeltaTape
 from ..checkpoint_files import text_part
-from .layers import MLP
+from .layers import MLP, attention
 
 # Gated DeltaNet output gates that are Qwen3.5's silu (``None``: the field is absent).
 SILU_GATES = (None, "silu", "swish")
@@ -27,44 +26,24 @@ SILU_GATES = (None, "silu", "swish")
 COMPILED_TOKENS = 16
 
 # Prefill attention off the GPU. MLX's CPU attention (mx.fast.scaled_dot_product_attention falls
-# back to plain operations there) materialises the scores (several [heads, queries, keys] arrays),
-# computes the masked half of a chunk's causal square too, and takes a 16-bit softmax at about half
-# the speed of a float32 one. There a prefill chunk's queries go in row blocks of at most
-# SCORE_ELEMENTS / (heads x keys) rows (a multiple of SCORE_ROWS_ALIGN, at least that), each
-# against the keys up to its last row, through ``cpu_attention``: the scores stay bounded whatever
-# the context, the masked work shrinks to a block's triangle, and each row is the same numbers as
-# MLX's (its products and softmax are its own). On a GPU MLX's fused attention kernel has none of
-# these costs: there a chunk runs whole through it, as in mlx-lm.
+# back to plain operations there) materialises the scores (several [heads, queries, keys] arrays)
+# and computes the masked half of a chunk's causal square too. There a prefill chunk's queries go
+# in row blocks of at most SCORE_ELEMENTS / (heads x keys) rows (a multiple of SCORE_ROWS_ALIGN, at
+# least that), each against the keys up to its last row, through ``layers.attention``: the scores
+# stay bounded whatever the context, the masked work shrinks to a block's triangle, and each row is
+# the same numbers as MLX's (its products and softmax are its own). On a GPU MLX's fused attention
+# kernel has none of these costs: there a chunk runs whole through it, as in mlx-lm.
 SCORE_ELEMENTS = 1 << 20
 SCORE_ROWS_ALIGN = 8
 
 
 def attention_rows(heads: int, queries: int, keys: int) -> Optional[int]:
-    """Query rows per ``cpu_attention`` call for a pass of ``queries`` tokens over ``keys`` keys;
-    None where the pass runs whole through MLX's attention (decode and verify passes, a GPU)."""
+    """Query rows per ``attention`` call for a pass of ``queries`` tokens over ``keys`` keys; None
+    where the pass runs whole through one call (decode and verify passes, a GPU)."""
     if queries <= COMPILED_TOKENS or mx.default_device() != mx.cpu:
         return None
     rows = SCORE_ELEMENTS // (heads * keys) // SCORE_ROWS_ALIGN * SCORE_ROWS_ALIGN
     return min(queries, max(rows, SCORE_ROWS_ALIGN))
-
-
-def cpu_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
-    """Causal attention of the last ``T`` positions over ``keys`` (the last query sees them all):
-    the operations MLX's attention runs on the CPU, in its order, but the softmax taken on the
-    scores cast to float32 (MLX's 16-bit softmax computes in float32 and rounds the same way:
-    identical results, tests/test_prefill.py checks it)."""
-    B, H, T, D = queries.shape
-    n_kv = keys.shape[1]
-    q = queries * mx.array(scale, queries.dtype)
-    if H != n_kv:
-        q = q.reshape(B, n_kv, H // n_kv, T, D)
-        keys, values = mx.expand_dims(keys, 2), mx.expand_dims(values, 2)
-    scores = q @ keys.swapaxes(-1, -2)
-    L = keys.shape[-2]
-    visible = mx.arange(L - T, L)[:, None] >= mx.arange(L)[None]
-    scores = mx.where(visible, scores, mx.array(-float("inf"), scores.dtype))
-    probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(scores.dtype)
-    return (probs @ values).reshape(B, H, T, -1)
 
 
 @dataclass
@@ -286,8 +265,7 @@ class Attention(nn.Module):
         T, L = queries.shape[2], keys.shape[2]
         rows = attention_rows(self.n_heads, T, L)
         if rows is None:
-            mask = "causal" if T > 1 else None
-            return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
+            return attention(queries, keys, values, self.scale, "causal" if T > 1 else None)
         # Row blocks, each over the keys up to its last row, each made to wait for the one before:
         # left independent, MLX runs them side by side with every block's scores alive at once.
         # (An mx.eval per block bounds memory as well but measured 20% slower over a prefill.)
@@ -297,7 +275,7 @@ class Attention(nn.Module):
             q = queries[:, :, s : s + rows]
             if heads:
                 q = mx.depends(q, heads[-1])
-            heads.append(cpu_attention(q, keys[:, :, :end], values[:, :, :end], self.scale))
+            heads.append(attention(q, keys[:, :, :end], values[:, :, :end], self.scale, "causal"))
         return heads[0] if len(heads) == 1 else mx.concatenate(heads, axis=2)
 
     def output(self, heads, gate):

@@ -1,0 +1,60 @@
+"""``layers.attention``: on the CPU, MLX's own attention numbers to the bit (its fallback's
+products and sums in a cheaper form), and a query row's result independent of the rows beside it,
+which lossless verification rests on (a verify row must be the decode step it stands for)."""
+
+from __future__ import annotations
+
+import itertools
+
+import mlx.core as mx
+import pytest
+
+from dflash_mlx.models.layers import attention
+
+DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+HEADS = ((4, 2), (4, 4), (8, 1), (16, 4))  # query heads, key heads
+PASSES = ((1, 600), (4, 37), (4, 4096), (16, 1024), (40, 100))  # queries, keys before them
+
+
+def qkv(dtype, heads, queries, keys, dim=32, seed=0):
+    mx.random.seed(seed)
+    (H, n_kv) = heads
+    return tuple(mx.random.normal(shape).astype(dtype) for shape in
+                 ((1, H, queries, dim), (1, n_kv, keys, dim), (1, n_kv, keys, dim)))
+
+
+@pytest.mark.parametrize("dtype,heads,lengths", list(itertools.product(DTYPES, HEADS, PASSES))[::2])
+def test_causal_attention_is_mlx_attention(dtype, heads, lengths):
+    """Decode (one query, no mask), verify blocks and prefill chunks ("causal"): exactly what
+    mx.fast.scaled_dot_product_attention gives."""
+    T, past = lengths
+    q, k, v = qkv(dtype, heads, T, past + T)
+    mask = "causal" if T > 1 else None
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=32**-0.5, mask=mask)
+    assert mx.array_equal(attention(q, k, v, 32**-0.5, mask), want).item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", (1, 3, 64))
+def test_boolean_masks_are_mlx_attention(dtype, window):
+    """The draft's sliding-window masks (boolean [T, L]: the block sees itself and the context
+    keys within the window): exactly MLX's attention under the same mask."""
+    T, n_ctx = 4, 200
+    q, k, v = qkv(dtype, (4, 2), T, n_ctx + T, seed=window)
+    query = mx.arange(T)[:, None]
+    key = mx.arange(n_ctx + T)[None] - n_ctx
+    mask = ((key >= 0) & (key <= query)) | ((key < 0) & (query - key < window))
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask=mask)
+    assert mx.array_equal(attention(q, k, v, 0.2, mask), want).item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_verify_row_is_the_decode_step_it_stands_for(dtype):
+    """Row i of a causal pass of 8 queries equals a pass of that query alone over the keys up to
+    its own: a verify block's logits are the steps' logits, whatever the block size."""
+    T, past = 8, 300
+    q, k, v = qkv(dtype, (4, 2), T, past + T, seed=7)
+    block = attention(q, k, v, 0.2, "causal")
+    for i in range(T):
+        alone = attention(q[:, :, i : i + 1], k[:, :, : past + i + 1], v[:, :, : past + i + 1], 0.2)
+        assert mx.array_equal(block[:, :, i : i + 1], alone).item(), i
