@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-import pytest
 
 from dflash_mlx.cache import cache_arrays
 from dflash_mlx.models import qwen3_5
