@@ -49,3 +49,10 @@ def test_batch_cycle_costs_example_reports_cycles_rounds_and_layers():
     assert "scheduler, no HTTP: 2 at once" in out
     layers = [r for r in one + two if len(r) == 8]  # six target layers and the draft pass
     assert [r[0] for r in layers] == ["1", "2"] and all(float(cell) > 0 for r in layers for cell in r[1:])
+
+
+def test_attention_costs_example_times_both_and_finds_them_identical():
+    out = run_example("examples/attention_costs.py", "--keys", "40,100", "--rows", "1,4", "--repeats", "2")
+    cells = [r for k in ("40", "100") for r in rows(out, k)]
+    assert [(r[0], r[1]) for r in cells] == [("40", "1"), ("40", "4"), ("100", "1"), ("100", "4")]
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 and r[5] == "yes" for r in cells)
