@@ -58,3 +58,16 @@ def test_a_verify_row_is_the_decode_step_it_stands_for(dtype):
     for i in range(T):
         alone = attention(q[:, :, i : i + 1], k[:, :, : past + i + 1], v[:, :, : past + i + 1], 0.2)
         assert mx.array_equal(block[:, :, i : i + 1], alone).item(), i
+
+
+@pytest.mark.parametrize("heads_axis", (1, 4))
+def test_per_row_and_per_head_masks_are_mlx_attention(heads_axis):
+    """Boolean masks with a batch axis and a heads axis (of one, or one per query head): MLX's
+    numbers, each row and head under its own mask."""
+    B, T, L = 2, 3, 50
+    mx.random.seed(heads_axis)
+    q, k, v = (mx.random.normal(shape).astype(mx.bfloat16) for shape in ((B, 4, T, 32), (B, 2, L, 32), (B, 2, L, 32)))
+    mask = mx.random.uniform(shape=(B, heads_axis, T, L)) < 0.7
+    mask[..., -1] = True  # every row sees a key
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask=mask)
+    assert mx.array_equal(attention(q, k, v, 0.2, mask), want).item()

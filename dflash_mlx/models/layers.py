@@ -20,7 +20,8 @@ class MLP(nn.Module):
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask=None) -> mx.array:
     """Attention of ``queries`` [B, H, T, D] over ``keys`` and ``values`` [B, Hkv, L, D]: the
     numbers of ``mx.fast.scaled_dot_product_attention`` (``mask`` None, "causal" aligned to the
-    last key as MLX aligns it, or a boolean [T, L] array), in less time on the CPU.
+    last key as MLX aligns it, or a boolean array of [T, L], [B, 1, T, L] or [B, H, T, L]), in less
+    time on the CPU.
 
     On a GPU this is MLX's fused kernel. On the CPU MLX falls back to plain operations; here they
     run in a cheaper form with the same products and sums: the query heads that share a key head
@@ -28,9 +29,9 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     product), and the softmax is taken on float32 scores cast back (MLX's 16-bit softmax computes
     in float32 and rounds the same, but evaluates every exponential twice). The results are
     identical to the bit (tests/test_attention.py). Measured here for the demo's bfloat16 heads
-    (4 of 32 over 2 key heads) at 4096 keys: a decode row 0.85 ms against 1.26, a verify block of 4
-    rows 2.66 against 3.65; the demo target's plain step at 4k 13% faster, its block-4 cycle 18%
-    (examples/cycle_costs.py)."""
+    (4 of 32 over 2 key heads) at 4096 keys (examples/attention_costs.py): a decode row 0.94 ms
+    against 1.40, a verify block of 4 rows 2.87 against 3.99; the demo target's plain step at 4k
+    17% faster, its block-4 cycle 21% (docs/benchmarks.md, "Attention on the CPU")."""
     if mx.default_device() != mx.cpu:
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
     B, H, T, D = queries.shape
@@ -43,6 +44,9 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
             raise ValueError(f"attention mask {mask!r}: only 'causal' is a named mask")
         mask = mx.arange(L - T, L)[:, None] >= mx.arange(L)[None] if T > 1 else None
     if mask is not None:
+        if mask.ndim >= 3:  # [..., heads or 1, T, L] -> [..., key heads, group or 1, T, L], as MLX does
+            head_axis = mask.shape[-3]
+            mask = mx.expand_dims(mask, -3) if head_axis == 1 else mask.reshape(*mask.shape[:-3], n_kv, group, T, L)
         per_group = scores.reshape(B, n_kv, group, T, L)
         scores = mx.where(mask, per_group, mx.array(-float("inf"), scores.dtype)).reshape(B, n_kv, group * T, L)
     probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(scores.dtype)
