@@ -296,7 +296,8 @@ class Decoder:
                 step.proposals, step.draft_probs = tokens, probs
             else:
                 step.shadow = tokens
-        # The draft runs while Python builds the verify graph.
+        # The draft runs while Python builds the verify graph (on a GPU: on MLX's CPU backend
+        # async_eval returns once all but ten of the graph's operations have run).
         mx.async_eval([a for _, step in drafting for a in (step.proposals, step.draft_probs, step.shadow) if a is not None])
 
     def _commit(self, seq: Sequence, step: Step, logits: mx.array, accepted: int, features: Optional[mx.array],
