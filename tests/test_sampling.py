@@ -375,6 +375,7 @@ def tree_joint(tree, positions, depth):
     return joint
 
 
+@pytest.mark.slow  # chi-square over thousands of sampled runs
 def test_deep_blocks_follow_the_target(markov_target):
     """Slots 2 and 3 of a block and the bonus after 3 accepted drafts: with a draft close to the
     target, the first cycle (tokens t_1..t_4) is often accepted whole and rejected at every slot.
