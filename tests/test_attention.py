@@ -23,15 +23,15 @@ def qkv(dtype, heads, queries, keys, dim=32, seed=0):
                  ((1, H, queries, dim), (1, n_kv, keys, dim), (1, n_kv, keys, dim)))
 
 
-@pytest.mark.parametrize("dtype,heads,lengths", list(itertools.product(DTYPES, HEADS, PASSES))[::2])
-def test_causal_attention_is_mlx_attention(dtype, heads, lengths):
+@pytest.mark.parametrize("dtype,heads,lengths,dim", list(itertools.product(DTYPES, HEADS, PASSES, (16, 64, 256)))[::4])  # 256: Qwen3.5's heads
+def test_causal_attention_is_mlx_attention(dtype, heads, lengths, dim):
     """Decode (one query, no mask), verify blocks and prefill chunks ("causal"): exactly what
     mx.fast.scaled_dot_product_attention gives."""
     T, past = lengths
-    q, k, v = qkv(dtype, heads, T, past + T)
+    q, k, v = qkv(dtype, heads, T, past + T, dim)
     mask = "causal" if T > 1 else None
-    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=32**-0.5, mask=mask)
-    assert mx.array_equal(attention(q, k, v, 32**-0.5, mask), want).item()
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=dim**-0.5, mask=mask)
+    assert mx.array_equal(attention(q, k, v, dim**-0.5, mask), want).item()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -3,7 +3,6 @@ same numbers as the whole chunk's), and memory that the chunk bounds, not the pr
 
 from __future__ import annotations
 
-
 import mlx.core as mx
 import numpy as np
 
