@@ -14,6 +14,7 @@ from dflash_mlx.models.layers import attention
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 HEADS = ((4, 2), (4, 4), (8, 1), (16, 4))  # query heads, key heads
 PASSES = ((1, 600), (4, 37), (4, 4096), (16, 1024), (40, 100))  # queries, keys before them
+DIMS = (16, 64, 256)  # 256: Qwen3.5's heads
 
 
 def qkv(dtype, heads, queries, keys, dim=32, seed=0):
@@ -23,7 +24,7 @@ def qkv(dtype, heads, queries, keys, dim=32, seed=0):
                  ((1, H, queries, dim), (1, n_kv, keys, dim), (1, n_kv, keys, dim)))
 
 
-@pytest.mark.parametrize("dtype,heads,lengths,dim", list(itertools.product(DTYPES, HEADS, PASSES, (16, 64, 256)))[::4])  # 256: Qwen3.5's heads
+@pytest.mark.parametrize("dtype,heads,lengths,dim", list(itertools.product(DTYPES, HEADS, PASSES, DIMS))[::4])
 def test_causal_attention_is_mlx_attention(dtype, heads, lengths, dim):
     """Decode (one query, no mask), verify blocks and prefill chunks ("causal"): exactly what
     mx.fast.scaled_dot_product_attention gives."""
