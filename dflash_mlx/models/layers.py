@@ -1,5 +1,8 @@
 """Layers the target and the draft share."""
 
+import os
+import threading
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -17,6 +20,33 @@ class MLP(nn.Module):
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+_thread_streams = threading.local()  # MLX streams belong to the thread that made them
+
+
+def side_streams() -> tuple:
+    """Streams whose work runs side by side: on the CPU one per core this process may use (MLX
+    runs each CPU stream on a thread of its own, and an operation on one core), elsewhere the
+    default stream alone (a GPU runs one stream's work in parallel already). Made once per
+    calling thread: MLX refuses a stream in any thread but the one that made it."""
+    if mx.default_device() != mx.cpu:
+        return (mx.default_stream(mx.default_device()),)
+    streams = getattr(_thread_streams, "cpu", None)
+    if streams is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        count = max(1, min(cores or 1, 8))
+        streams = _thread_streams.cpu = (mx.default_stream(mx.cpu),) + tuple(mx.new_stream(mx.cpu) for _ in range(count - 1))
+    return streams
+
+
+# Query rows x keys per key head from which the CPU attention runs its key heads on side streams.
+# Each side stream's share waits for the inputs and is waited for, which costs more than the second
+# core saves on small heads. Measured on this 2-core machine with the demo pair in its decode loop
+# (one process, alternating): a verify block of 4 over 1024 keys (8 rows per key head) ran slower
+# split, over 2048 even, over 4096 a cycle 16% faster; a plain step (2 rows) 12% faster at 4096
+# keys, 17% at 8192, slower at 2048.
+SIDE_STREAM_WORK = 16384
+
+
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask=None) -> mx.array:
     """Attention of ``queries`` [B, H, T, D] over ``keys`` and ``values`` [B, Hkv, L, D]: the
     numbers of ``mx.fast.scaled_dot_product_attention`` (``mask`` None, "causal" aligned to the
@@ -31,18 +61,48 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     identical to the bit (tests/test_attention.py). Measured here for the demo's bfloat16 heads
     (4 of 32 over 2 key heads) at 4096 keys (examples/attention_costs.py): a decode row 0.94 ms
     against 1.40, a verify block of 4 rows 2.87 against 3.99; the demo target's plain step at 4k
-    17% faster, its block-4 cycle 21% (docs/benchmarks.md, "Attention on the CPU")."""
+    17% faster, its block-4 cycle 21% (docs/benchmarks.md, "Attention on the CPU").
+
+    Past ``SIDE_STREAM_WORK`` the key heads go to ``side_streams()``, one per core: MLX runs one
+    CPU operation on one core, so one stream leaves the others idle. Each head's numbers are the
+    ones it gets on one stream."""
     if mx.default_device() != mx.cpu:
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    H, T = queries.shape[1], queries.shape[2]
+    n_kv, L = keys.shape[1], keys.shape[2]
+    streams = side_streams()
+    if n_kv == 1 or len(streams) == 1 or H // n_kv * T * L < SIDE_STREAM_WORK:
+        return _cpu_attention(queries, keys, values, scale, mask)
+    group, parts = H // n_kv, min(n_kv, len(streams))
+    mask, heads = _causal(mask, T, L), []  # the mask built once for every part
+    for part in range(parts):  # key heads [a, b) and their query heads on a core of their own
+        a, b = n_kv * part // parts, n_kv * (part + 1) // parts
+        part_mask = mask
+        if mask is not None and mask.ndim == 4 and mask.shape[1] == H:
+            part_mask = mask[:, a * group : b * group]
+        with mx.stream(streams[part]):
+            heads.append(_cpu_attention(queries[:, a * group : b * group], keys[:, a:b], values[:, a:b], scale, part_mask))
+    return mx.concatenate(heads, axis=1)
+
+
+def _causal(mask, T: int, L: int):
+    """A named mask as the boolean array it stands for ("causal": aligned to the last key, as MLX
+    aligns it); an array or None as it is."""
+    if not isinstance(mask, str):
+        return mask
+    if mask != "causal":
+        raise ValueError(f"attention mask {mask!r}: only 'causal' is a named mask")
+    return mx.arange(L - T, L)[:, None] >= mx.arange(L)[None] if T > 1 else None
+
+
+def _cpu_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask=None) -> mx.array:
+    """``attention`` on the CPU on one stream: MLX's fallback's numbers in fewer operations."""
     B, H, T, D = queries.shape
     n_kv, L = keys.shape[1], keys.shape[2]
     group = H // n_kv
     q = (queries * mx.array(scale, queries.dtype)).reshape(B, n_kv, group * T, D)
     scores = q @ keys.swapaxes(-1, -2)
-    if isinstance(mask, str):
-        if mask != "causal":
-            raise ValueError(f"attention mask {mask!r}: only 'causal' is a named mask")
-        mask = mx.arange(L - T, L)[:, None] >= mx.arange(L)[None] if T > 1 else None
+    mask = _causal(mask, T, L)
     if mask is not None:
         if mask.ndim >= 3:  # [..., heads or 1, T, L] -> [..., key heads, group or 1, T, L], as MLX does
             head_axis = mask.shape[-3]
