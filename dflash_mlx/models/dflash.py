@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten
 from .. import quantized
 from ..quant import parse_quant
 from ..sampling import Sampler, propose
-from .layers import MLP, attention
+from .layers import MLP, attention, side_streams
 
 
 def evenly_spaced_layer_ids(num_target_layers: int, num_draft_layers: int) -> List[int]:
@@ -354,9 +354,10 @@ class DraftAttention(nn.Module):
     def block_heads(self, q, k, v, cache: ContextCache) -> mx.array:
         """Attention heads of the rotated block over the cached context and itself."""
         if isinstance(cache, ContextBatch):  # each row's own block over its own context, as alone
-            T, heads = q.shape[2], []
+            T, heads, streams = q.shape[2], [], side_streams()
             for i, (c, n) in enumerate(zip(cache.members, cache.lengths)):
-                h = self.block_heads(q[i : i + 1, :, :n], k[i : i + 1, :, :n], v[i : i + 1, :, :n], c)
+                with mx.stream(streams[i % len(streams)]):
+                    h = self.block_heads(q[i : i + 1, :, :n], k[i : i + 1, :, :n], v[i : i + 1, :, :n], c)
                 heads.append(h if n == T else mx.pad(h, [(0, 0), (0, 0), (0, T - n), (0, 0)]))
             return mx.concatenate(heads)
         if cache.reads_no_context:

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import KVCache
 from .. import kernels, quantized
 from ..cache import GatedDeltaCache, GatedDeltaTape
 from ..checkpoint_files import text_part
-from .layers import MLP, attention
+from .layers import MLP, attention, side_streams
 
 # Gated DeltaNet output gates that are Qwen3.5's silu (``None``: the field is absent).
 SILU_GATES = (None, "silu", "swish")
@@ -258,8 +258,11 @@ class Attention(nn.Module):
     def attend(self, queries, keys, values, cache: Optional[KVCache]) -> mx.array:
         members = getattr(cache, "members", None)
         if members is not None:  # a batch (cache.KVBatch): each row over its own cache, as alone
-            return mx.concatenate([self.attend(queries[i : i + 1], keys[i : i + 1], values[i : i + 1], c)
-                                   for i, c in enumerate(members)])
+            streams, heads = side_streams(), []
+            for i, c in enumerate(members):
+                with mx.stream(streams[i % len(streams)]):
+                    heads.append(self.attend(queries[i : i + 1], keys[i : i + 1], values[i : i + 1], c))
+            return mx.concatenate(heads)
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
         T, L = queries.shape[2], keys.shape[2]
