@@ -19,11 +19,14 @@ OK, INFO, WARN, FAIL = "ok", "info", "warn", "fail"
 GiB = 1024**3
 # A prefill chunk's working memory on MLX's CPU backend, measured here (MLX 0.32): bytes per
 # attention score of a row block (layers.attention keeps several [heads, rows, keys] arrays of a block,
-# and the next block's first ones, alive: 30 in 16-bit, 18 in float32), and per token and channel
+# and the next block's first ones, alive: on one stream 30 in 16-bit, 18 in float32; with the key
+# heads on side streams, one per core, 17 for either: the demo pair's peak at 4096 tokens varied
+# from 24.1 to 27.3 MB with what ran before and how the streams met), and per token and channel
 # of a Gated DeltaNet layer's input (its depthwise conv1d: 37-41 for every dtype and shape tried
 # with the layer evaluated alone, 48 within a chunk's whole graph, where the layer's other
 # projections are computed ahead). docs/benchmarks.md compares the estimate with measured peaks.
 SCORE_BYTES = {2: 30, 4: 18}
+SCORE_BYTES_SIDE_STREAMS = 17
 CONV_BYTES = 48
 _BYTES = {"F32": 4, "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "U8": 1, "I8": 1, "F64": 8, "I64": 8, "U16": 2, "BOOL": 1}
 
@@ -159,13 +162,15 @@ def prefill_working_memory(args, context: int, chunk: int, element: int, taps: L
     dim), whichever is larger. The last layer's attention runs on the last token alone unless the
     draft taps it (as the loop feeds a prompt). On a GPU the fused attention keeps no scores (not
     measured)."""
+    from .models.layers import side_streams
     from .models.qwen3_5 import attention_rows
 
     c = min(chunk, context)
     kinds = list(args.layer_types)
     scored = any(t == "full_attention" for t in kinds[:-1]) or (kinds[-1] == "full_attention" and len(kinds) - 1 in taps)
     rows = attention_rows(args.num_attention_heads, c, context) if scored else None
-    scores = SCORE_BYTES.get(element, 30) * args.num_attention_heads * rows * context if rows is not None else 0
+    per_score = SCORE_BYTES_SIDE_STREAMS if len(side_streams()) > 1 else SCORE_BYTES.get(element, 30)
+    scores = per_score * args.num_attention_heads * rows * context if rows is not None else 0
     # Alive beside a layer's score blocks: its q_proj output (queries and output gate, 2 x heads x
     # head_dim), the rotated queries, and the blocks' outputs with their concatenation.
     attention = scores + 5 * c * args.num_attention_heads * args.head_dim * element if rows is not None else 0
