@@ -20,11 +20,13 @@ GiB = 1024**3
 # A prefill chunk's working memory on MLX's CPU backend, measured here (MLX 0.32): bytes per
 # attention score of a row block (layers.attention keeps several [heads, rows, keys] arrays of a block,
 # and the next block's first ones, alive: on one stream 30 in 16-bit, 18 in float32; with the key
-# heads on side streams, one per core, 17 for either: the demo pair's peak at 4096 tokens varied
-# from 24.1 to 27.3 MB with what ran before and how the streams met), and per token and channel
-# of a Gated DeltaNet layer's input (its depthwise conv1d: 37-41 for every dtype and shape tried
-# with the layer evaluated alone, 48 within a chunk's whole graph, where the layer's other
-# projections are computed ahead). docs/benchmarks.md compares the estimate with measured peaks.
+# heads on side streams, one per core, 17 for either plus about one copy of the layer's keys:
+# examples/memory_peak.py measured the demo pair 2.5% above that estimate at 4096 tokens, 0.2% at
+# 8192, 0.2% below at 32768, and its peak at 4096 varied from 24.1 to 27.3 MB with what ran
+# before and how the streams met), and per token and channel of a Gated DeltaNet layer's input
+# (its depthwise conv1d: 37-41 for every dtype and shape tried with the layer evaluated alone, 48
+# within a chunk's whole graph, where the layer's other projections are computed ahead).
+# docs/benchmarks.md compares the estimate with measured peaks.
 SCORE_BYTES = {2: 30, 4: 18}
 SCORE_BYTES_SIDE_STREAMS = 17
 CONV_BYTES = 48
@@ -169,8 +171,11 @@ def prefill_working_memory(args, context: int, chunk: int, element: int, taps: L
     kinds = list(args.layer_types)
     scored = any(t == "full_attention" for t in kinds[:-1]) or (kinds[-1] == "full_attention" and len(kinds) - 1 in taps)
     rows = attention_rows(args.num_attention_heads, c, context) if scored else None
-    per_score = SCORE_BYTES_SIDE_STREAMS if len(side_streams()) > 1 else SCORE_BYTES.get(element, 30)
+    split = len(side_streams()) > 1
+    per_score = SCORE_BYTES_SIDE_STREAMS if split else SCORE_BYTES.get(element, 30)
     scores = per_score * args.num_attention_heads * rows * context if rows is not None else 0
+    if split and rows is not None:  # and about one copy of the layer's keys (fitted: 4k to 32k, see SCORE_BYTES)
+        scores += context * args.num_key_value_heads * args.head_dim * element
     # Alive beside a layer's score blocks: its q_proj output (queries and output gate, 2 x heads x
     # head_dim), the rotated queries, and the blocks' outputs with their concatenation.
     attention = scores + 5 * c * args.num_attention_heads * args.head_dim * element if rows is not None else 0

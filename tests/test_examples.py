@@ -51,6 +51,14 @@ def test_batch_cycle_costs_example_reports_cycles_rounds_and_layers():
     assert [r[0] for r in layers] == ["1", "2"] and all(float(cell) > 0 for r in layers for cell in r[1:])
 
 
+@pytest.mark.slow
+def test_side_streams_example_times_both_ways():
+    out = run_example("examples/side_streams.py", "--contexts", "512", "--repeats", "1")
+    ways = {r[1]: r for r in rows(out, "512")}
+    assert set(ways) == {"side streams", "one stream"}
+    assert all(len(r) == 7 and all(float(cell) > 0 for cell in r[2:]) for r in ways.values())
+
+
 def test_attention_costs_example_times_both_and_finds_them_identical():
     out = run_example("examples/attention_costs.py", "--keys", "40,100", "--rows", "1,4", "--repeats", "2")
     cells = [r for k in ("40", "100") for r in rows(out, k)]
