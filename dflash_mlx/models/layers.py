@@ -39,11 +39,11 @@ def side_streams() -> tuple:
 
 
 # Query rows x keys per key head from which the CPU attention runs its key heads on side streams.
-# Each side stream's share waits for the inputs and is waited for, which costs more than the second
+# Each side stream's share waits for its inputs and is waited for, which costs more than the second
 # core saves on small heads. Measured on this 2-core machine with the demo pair in its decode loop
-# (one process, alternating): a verify block of 4 over 1024 keys (8 rows per key head) ran slower
-# split, over 2048 even, over 4096 a cycle 16% faster; a plain step (2 rows) 12% faster at 4096
-# keys, 17% at 8192, slower at 2048.
+# (examples/side_streams.py, and the same measurements at lower thresholds): split, a verify block
+# of 4 (8 rows per key head) ran 5% slower over 1024 keys, even over 2048, 19% faster over 4096;
+# a plain step (2 rows) ran slower over 2048 keys and 21% faster over 8192.
 SIDE_STREAM_WORK = 16384
 
 
