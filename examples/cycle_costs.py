@@ -98,6 +98,29 @@ def measure(target, draft, cache, draft_caches, token, block, taps, repeats):
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def grown_contexts(model, tokenizer, contexts, draft_caches):
+    """One prompt (the standard library's source, as `bench --context`) fed chunk by chunk: yields
+    ``(context, token, cache)`` once the target's cache and every one of ``draft_caches`` (name ->
+    a draft context cache) hold ``context`` tokens, for each of ``contexts`` in increasing order;
+    ``token`` is any token (the costs do not depend on which)."""
+    target, draft = model.target, model.draft
+    contexts = sorted(contexts)
+    ids = tokenizer.encode(file_context(tokenizer, contexts[-1]), add_special_tokens=False)
+    prompt = mx.array(ids[: contexts[-1]])
+    cache = target.make_cache()
+
+    def to_drafts(features):
+        for dcache in draft_caches.values():
+            draft.add_context(features, dcache)
+        return [a for dcache in draft_caches.values() for a in cache_arrays(dcache)]
+
+    fed = 0
+    for context in contexts:
+        prefill(target, prompt[fed:context], cache, None, draft.target_layer_ids, to_drafts)
+        fed = context
+        yield context, prompt[context - 1 : context], cache
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="demo", help="a target with a draft: demo, or a target directory (with --draft)")
@@ -110,28 +133,14 @@ def main() -> None:
 
     model, tokenizer = load(args.model, draft=args.draft)
     target, draft = model.target, model.draft
-    contexts = sorted(parse_context_sizes(args.contexts))
-    ids = tokenizer.encode(file_context(tokenizer, contexts[-1]), add_special_tokens=False)
-    prompt = mx.array(ids[: contexts[-1]])
     taps = draft.target_layer_ids
-    cache = target.make_cache()
     draft_caches = {"": draft.make_cache(), f" (window {args.window})": draft.make_cache(args.window)}
-
-    def to_drafts(features):
-        for dcache in draft_caches.values():
-            draft.add_context(features, dcache)
-        return [a for dcache in draft_caches.values() for a in cache_arrays(dcache)]
-
     columns = ["plain step", "plain cycle", "cycle", "draft pass", "verify pass", "rollback", "hand-off", "other",
                f"cycle (window {args.window})", f"draft pass (window {args.window})"]
     print(f"block {args.block}, ms (medians of {args.repeats} rounds)")
     print("| context | " + " | ".join(columns) + " |")
     print("|---:|" + "---:|" * len(columns))
-    fed = 0
-    for context in contexts:
-        prefill(target, prompt[fed:context], cache, None, taps, to_drafts)
-        fed = context
-        token = prompt[context - 1 : context]  # any token: the costs do not depend on which
+    for context, token, cache in grown_contexts(model, tokenizer, parse_context_sizes(args.contexts), draft_caches):
         measure(target, draft, cache, draft_caches, token, args.block, taps, 2)  # compile, settle
         ms = measure(target, draft, cache, draft_caches, token, args.block, taps, args.repeats)
         ms["other"] = ms["cycle"] - ms["draft pass"] - ms["verify pass"] - ms["rollback"] - ms["hand-off"]

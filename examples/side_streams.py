@@ -19,16 +19,13 @@ import statistics
 import sys
 from pathlib import Path
 
-import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cycle_costs import measure  # noqa: E402
+from cycle_costs import grown_contexts, measure  # noqa: E402
 
 from dflash_mlx import load  # noqa: E402
-from dflash_mlx.bench import file_context, parse_context_sizes  # noqa: E402
-from dflash_mlx.cache import cache_arrays  # noqa: E402
+from dflash_mlx.bench import parse_context_sizes  # noqa: E402
 from dflash_mlx.models import layers  # noqa: E402
-from dflash_mlx.prefill import prefill  # noqa: E402
 
 COLUMNS = ["plain step", "plain cycle", "cycle", "draft pass", "verify pass"]
 
@@ -44,17 +41,8 @@ def main() -> None:
 
     model, tokenizer = load(args.model, draft=args.draft)
     target, draft = model.target, model.draft
-    contexts = sorted(parse_context_sizes(args.contexts))
-    ids = tokenizer.encode(file_context(tokenizer, contexts[-1]), add_special_tokens=False)
-    prompt = mx.array(ids[: contexts[-1]])
     taps = draft.target_layer_ids
-    cache = target.make_cache()
     draft_caches = {"": draft.make_cache(model.draft_window)}
-
-    def to_drafts(features):
-        for dcache in draft_caches.values():
-            draft.add_context(features, dcache)
-        return [a for dcache in draft_caches.values() for a in cache_arrays(dcache)]
 
     shipped = layers.SIDE_STREAM_WORK
     threshold = {"side streams": shipped, "one stream": float("inf")}
@@ -62,12 +50,8 @@ def main() -> None:
           f"draft window {model.draft_window}; ms, medians of {args.repeats} rounds")
     print("| context | streams | " + " | ".join(COLUMNS) + " |")
     print("|---:|---|" + "---:|" * len(COLUMNS))
-    fed = 0
     try:
-        for context in contexts:
-            prefill(target, prompt[fed:context], cache, None, taps, to_drafts)
-            fed = context
-            token = prompt[context - 1 : context]
+        for context, token, cache in grown_contexts(model, tokenizer, parse_context_sizes(args.contexts), draft_caches):
             results = {name: [] for name in threshold}
             for name in threshold:  # compile and settle both ways
                 layers.SIDE_STREAM_WORK = threshold[name]
