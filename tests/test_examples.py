@@ -64,3 +64,37 @@ def test_attention_costs_example_times_both_and_finds_them_identical():
     cells = [r for k in ("40", "100") for r in rows(out, k)]
     assert [(r[0], r[1]) for r in cells] == [("40", "1"), ("40", "4"), ("100", "1"), ("100", "4")]
     assert all(float(r[2]) > 0 and float(r[3]) > 0 and r[5] == "yes" for r in cells)
+
+
+def test_auto_replay_records_what_a_verified_run_accepts(tmp_path):
+    """The record's premise: a cycle of size b after n committed tokens accepts
+    ``min(taken[n - 1], b - 1)``, whatever ran before it. The record comes from plain steps that
+    shadow; a real run at block 4 (verify passes, rollbacks, hand-offs) must accept exactly what it
+    predicts, cycle by cycle, on the prompt the demo draft copies."""
+    import json
+
+    from dflash_mlx import load
+    from dflash_mlx.api import encode_prompt
+    from dflash_mlx.bench import SUITES
+    from dflash_mlx.sampling import Sampler
+    from dflash_mlx.speculative import speculative
+
+    records = tmp_path / "records.json"
+    run_example("examples/auto_replay.py", "record", "--context", "0", "--suite", "edit", "--max-tokens", "48",
+                "--out", str(records))
+    recorded = json.loads(records.read_text())["suites"]["edit"][0]
+    model, tokenizer = load("demo")
+    prompt = encode_prompt(tokenizer, [{"role": "user", "content": SUITES["edit"][0]}])
+    commits = list(speculative(model.target, model.draft, prompt, Sampler(0.0), 4, draft_window=model.draft_window,
+                               max_tokens=48, stop_tokens=set(tokenizer.eos_token_ids)))
+    assert [t for c in commits for t in c.tokens] == recorded["answer"]
+    predicted, n = [], 1
+    while n < len(recorded["answer"]):
+        accepted = min(recorded["taken"][n - 1], min(4, 48 - n) - 1)
+        predicted.append(accepted)
+        n += accepted + 1
+    assert [c.accepted for c in commits[1:]] == predicted
+    assert sum(predicted) > len(predicted)  # the draft copies here: the check has hits to get right
+
+    replayed = run_example("examples/auto_replay.py", "replay", str(records), "--seeds", "2", "--repeats", "1")
+    assert "edit: replayed speedup" in replayed
