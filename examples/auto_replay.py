@@ -15,8 +15,9 @@ the features the target hands it differ between a plain step and a verify row, w
 `tests/test_examples.py` checks does not change a fixed-size run's accepted lengths).
 
 `replay` runs ``block_policy.AutoBlock`` (this checkout's, or with ``--code DIR`` the one in the
-checkout at DIR: a worktree of another commit, to compare) over the records in the bench's order (each prompt ``--repeats`` times, suites in the
-order recorded, one ``BlockStats`` for all, after the bench's 64-token `auto` warm-up), feeding it
+checkout at DIR, a worktree of another commit) over the records in the bench's order (each prompt
+``--repeats`` times, suites in the order recorded, one ``BlockStats`` for all, after the bench's
+64-token `auto` warm-up), feeding it
 what the decode loop does (block, accepted, committed tokens, a shadow's proposals, the plain steps
 handed off, the context). A cycle's seconds come from a cost model, not a clock: ``--costs`` (ms
 per cycle of size 1..cap), plus ``--shadow`` ms for a shadow's draft pass and ``A + B*n`` ms
@@ -44,10 +45,11 @@ WARM_UP = "warm up"  # bench.warm_up's auto run: 64 tokens of this prompt, no co
 
 
 class ShadowEveryStep:
-    """A chooser that never drafts a block and shadows every plain step: the record's source."""
+    """A chooser that never drafts a block and shadows every plain step: the record's source.
+    ``shadows``: each step's unverified guesses, in order."""
 
     def __init__(self, ahead: int):
-        self.ahead, self.steps = ahead, []
+        self.ahead, self.shadows = ahead, []
 
     def choose(self) -> int:
         return 1
@@ -56,14 +58,14 @@ class ShadowEveryStep:
         return self.ahead
 
     def observe(self, block, accepted, seconds, committed=(), proposals=(), handed_off=0, context=None) -> None:
-        self.steps.append((list(committed), list(proposals), context))
+        self.shadows.append(list(proposals))
 
 
-def taken_per_position(answer, steps):
-    """``taken[n]``: how many of the guesses drafted with ``n`` tokens of the answer committed (the
-    shadow of the plain step that commits ``answer[n]``) equal ``answer[n:]``, in order."""
+def taken_per_position(answer, shadows):
+    """``taken[n - 1]``: how many of the guesses drafted with ``n`` tokens of the answer committed
+    (the shadow of the plain step that commits ``answer[n]``) equal ``answer[n:]``, in order."""
     taken = []
-    for n, (_, proposals, _) in enumerate(steps, start=1):
+    for n, proposals in enumerate(shadows, start=1):
         k = 0
         while k < len(proposals) and n + k < len(answer) and proposals[k] == answer[n + k]:
             k += 1
@@ -84,8 +86,8 @@ def record_answer(model, tokenizer, text: str, max_tokens: int):
     for commit in speculative(model.target, model.draft, prompt, Sampler(0.0), chooser, draft_window=model.draft_window,
                               max_tokens=max_tokens, stop_tokens=set(tokenizer.eos_token_ids)):
         answer += commit.tokens
-    steps = chooser.steps[: len(answer) - 1]
-    return {"answer": answer, "taken": taken_per_position(answer, steps), "context": int(prompt.size),
+    return {"answer": answer, "taken": taken_per_position(answer, chooser.shadows[: len(answer) - 1]),
+            "context": int(prompt.size),
             "max_tokens": max_tokens}
 
 
@@ -93,7 +95,7 @@ def record(args) -> None:
     from dflash_mlx import bench, load
 
     model, tokenizer = load(args.model, draft=args.draft)
-    context = bench.parse_context_sizes(args.context)[0]
+    context = args.context
     prefix = bench.file_context(tokenizer, context)
     out = {"cap": model.draft.block_size, "context": context, "max_tokens": args.max_tokens,
            "warm_up": record_answer(model, tokenizer, WARM_UP, 64), "suites": {}}
@@ -108,6 +110,8 @@ def record(args) -> None:
 
 
 class CostModel:
+    """A cycle's seconds from its size, whether it shadowed and how many plain steps it handed off."""
+
     def __init__(self, costs, shadow, hand_off, noise, rng):
         self.costs, self.shadow, self.hand_off, self.noise, self.rng = costs, shadow, hand_off, noise, rng
 
@@ -202,11 +206,12 @@ def main() -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     rec = commands.add_parser("record", help="decode the bench's prompts and keep what the draft guessed right where")
     rec.add_argument("--model", default="demo", help="a target with a draft: demo, or a target directory (with --draft)")
-    rec.add_argument("--draft", default=None)
+    rec.add_argument("--draft", default=None, help="the draft's directory, with a target directory as --model")
     rec.add_argument("--context", default="4k", help="tokens of file context before each prompt, as bench --context")
-    rec.add_argument("--suite", action="append", help="code, prose, edit (repeatable; default: all three, in that order)")
-    rec.add_argument("--max-tokens", type=int, default=256, help="the bench's default")
-    rec.add_argument("--out", required=True)
+    rec.add_argument("--suite", action="append", choices=["code", "prose", "edit"],
+                     help="code, prose, edit (repeatable; default: all three, in that order)")
+    rec.add_argument("--max-tokens", type=int, default=256, help="the answer's budget in tokens (the bench's default)")
+    rec.add_argument("--out", required=True, help="where to write the record (JSON), once every answer is in")
     rep = commands.add_parser("replay", help="run AutoBlock over a record with a cost model")
     rep.add_argument("records")
     rep.add_argument("--costs", type=floats, default="4.5,7.98,9.13,9.7", help="ms per cycle of size 1..cap (the last repeats)")
@@ -219,7 +224,17 @@ def main() -> None:
     rep.add_argument("--verbose", action="store_true", help="every request's choices (first seed): size[s: shadow]/accepted")
     args = parser.parse_args()
     if args.command == "record":
+        from dflash_mlx.bench import parse_context_sizes
+
         args.suite = args.suite or ["code", "prose", "edit"]
+        try:
+            args.context = parse_context_sizes(args.context)[0]
+        except ValueError as e:
+            parser.error(f"--context: {e}")
+        if args.max_tokens < 2:
+            parser.error(f"--max-tokens {args.max_tokens}: an answer needs at least 2 tokens to replay a cycle")
+        if not Path(args.out).resolve().parent.is_dir():
+            parser.error(f"--out {args.out}: its folder does not exist")
         record(args)
     else:
         if len(args.hand_off) != 2:
