@@ -132,10 +132,15 @@ class Pass:
 class Decoder:
     """The cycle over sequences of one target and draft (``draft`` None: plain steps).
     ``min_rows``: rows fed to each sequence at least (``batch_min_rows()`` for a batch whose
-    sequences must not depend on each other; 1 for the single-stream loop)."""
+    sequences must not depend on each other; 1 for the single-stream loop). ``shared_calls``:
+    whether the draft's hand-off and head after a verify pass take every sequence's rows in one
+    call (default ``products_row_independent()``). The tests run a GPU's rules (two rows, a call
+    per sequence) on the CPU too, so that the path a Mac takes runs here."""
 
-    def __init__(self, target: Target, draft: Optional[DFlashDraft], row_limit: int = ROW_LIMIT, min_rows: int = 1):
+    def __init__(self, target: Target, draft: Optional[DFlashDraft], row_limit: int = ROW_LIMIT, min_rows: int = 1,
+                 shared_calls: Optional[bool] = None):
         self.target, self.draft, self.row_limit, self.min_rows = target, draft, row_limit, min_rows
+        self.shared_calls = products_row_independent() if shared_calls is None else shared_calls
         self.taps = draft.target_layer_ids if draft is not None else ()
         self.rows = 0  # rows of the last target pass (sequences x rows each), for /metrics
 
@@ -268,9 +273,9 @@ class Decoder:
 
     def _hand_off(self, contexts: List[mx.array], caches: List[list]) -> None:
         """Committed features [1, S_i, taps*H] to their sequences' draft caches: one draft call
-        for all where a product's row does not depend on its batch-mates (``products_row_independent``),
-        else a call per sequence."""
-        if len(contexts) > 1 and products_row_independent():
+        for all where a product's row does not depend on its batch-mates (``shared_calls``), else a
+        call per sequence."""
+        if len(contexts) > 1 and self.shared_calls:
             self.draft.add_context_batch(contexts, caches)
         else:
             for context, cache in zip(contexts, caches):
@@ -290,7 +295,7 @@ class Decoder:
             proposals = [draft.propose(blocks[0], drafting[0][0].draft_cache, samplers[0])]
         else:
             proposals = draft.propose_batch(blocks, [seq.draft_cache for seq, _ in drafting], samplers,
-                                            one_head=products_row_independent())
+                                            one_head=self.shared_calls)
         for (seq, step), (tokens, probs) in zip(drafting, proposals):
             if step.block > 1:
                 step.proposals, step.draft_probs = tokens, probs

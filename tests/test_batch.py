@@ -119,11 +119,19 @@ def draft_snapshot(draft_cache) -> list:
     return out
 
 
-def run_batch(target, draft, specs, joins, record=False, passes=None):
+# The rules a batch runs by (``Decoder``'s ``min_rows`` and ``shared_calls``): the CPU's (one row
+# per sequence, one draft call for every sequence's hand-off and head) and a GPU's (two rows at
+# least, the padding rolled back; a draft call per sequence). Both run here: a Mac takes the second.
+RULES = {"cpu rules": dict(min_rows=1, shared_calls=True), "gpu rules": dict(min_rows=2, shared_calls=False)}
+by_rules = pytest.mark.parametrize("rules", list(RULES.values()), ids=list(RULES))
+
+
+def run_batch(target, draft, specs, joins, record=False, passes=None, rules=None):
     """Decode ``specs`` (dicts: prompt, block, schedule, max_tokens) together, spec i joining at
     cycle ``joins[i]``: each one's tokens, and (``record``) its cache after every cycle it ran.
-    ``passes`` (a list) gets each cycle's (sequences, rows per sequence)."""
-    decoder = Decoder(target, draft, min_rows=batch_min_rows())
+    ``passes`` (a list) gets each cycle's (sequences, rows per sequence). ``rules``: one of
+    ``RULES`` (default: this device's)."""
+    decoder = Decoder(target, draft, **(rules or dict(min_rows=batch_min_rows())))
     live, tokens, caches = {}, {i: [] for i in range(len(specs))}, {i: [] for i in range(len(specs))}
     for cycle in itertools.count():
         for i, spec in enumerate(specs):
@@ -168,14 +176,15 @@ def oracle_specs(prompts, references):
             for p, r, b, s, n in zip(prompts, references, blocks, schedules, lengths)]
 
 
+@by_rules
 @pytest.mark.parametrize("joins", [[0, 0, 0, 0], [0, 2, 5, 1]], ids=["together", "staggered"])
-def test_each_sequence_gets_what_it_gets_alone(target, prompts, references, joins):
+def test_each_sequence_gets_what_it_gets_alone(target, prompts, references, joins, rules):
     """Tokens and every cache after every cycle equal the sequence alone, bit for bit; tokens
     equal the target decoding alone; every acceptance length is met by some sequence."""
     specs = oracle_specs(prompts, references)
-    together, caches = run_batch(target, BatchOracle(), specs, joins, record=True)
+    together, caches = run_batch(target, BatchOracle(), specs, joins, record=True, rules=rules)
     for i, spec in enumerate(specs):
-        alone, alone_caches = run_batch(target, BatchOracle(), [spec], [0], record=True)
+        alone, alone_caches = run_batch(target, BatchOracle(), [spec], [0], record=True, rules=rules)
         assert together[i] == alone[0], f"sequence {i}"
         assert len(caches[i]) == len(alone_caches[0])
         for cycle, (got, want) in enumerate(zip(caches[i], alone_caches[0])):
@@ -184,20 +193,22 @@ def test_each_sequence_gets_what_it_gets_alone(target, prompts, references, join
         assert_lossless(target, spec["prompt"], references[i][: spec["max_tokens"]], together[i])
 
 
-def test_plain_steps_in_a_batch_feed_one_row_each_on_the_cpu(target, prompts, references):
+@by_rules
+def test_plain_steps_in_a_batch_feed_min_rows_each(target, prompts, references, rules):
     """Target-only batches (the server's ``use_draft`` False, bench's target batched) feed every
     sequence one row on the CPU, alone or beside batch-mates (no padding row, no tape, no
-    rollback): tokens and caches after every cycle still equal each sequence alone, through
-    passes where it ran alone and with mates. (A plain step beside drafting batch-mates, in their
-    longer pass, is in ``test_each_sequence_gets_what_it_gets_alone``: it fails when one row runs
-    the recurrence's step form, as it did before ``kernels._chunk_one``.)"""
+    rollback), and two on a GPU (the second rolled back): tokens and caches after every cycle
+    still equal each sequence alone, through passes where it ran alone and with mates. (A plain
+    step beside drafting batch-mates, in their longer pass, is in
+    ``test_each_sequence_gets_what_it_gets_alone``: it fails when one row runs the recurrence's
+    step form, as it did before ``kernels._chunk_one``.)"""
     specs = [dict(prompt=p, block=1, max_tokens=n) for p, n in zip(prompts[:3], [30, 12, 20])]
     passes = []
-    together, caches = run_batch(target, None, specs, [0, 3, 25], record=True, passes=passes)
+    together, caches = run_batch(target, None, specs, [0, 3, 25], record=True, passes=passes, rules=rules)
     assert {count for count, _ in passes} == {1, 2}
-    assert batch_min_rows() == 1 and all(rows == 1 for _, rows in passes)
+    assert all(rows == rules["min_rows"] for _, rows in passes)
     for i, spec in enumerate(specs):
-        alone, alone_caches = run_batch(target, None, [spec], [0], record=True)
+        alone, alone_caches = run_batch(target, None, [spec], [0], record=True, rules=rules)
         assert together[i] == alone[0], f"sequence {i}"
         for cycle, (got, want) in enumerate(zip(caches[i], alone_caches[0])):
             assert all(mx.array_equal(a, b).item() for a, b in zip(got, want)), f"sequence {i}, cycle {cycle}"
@@ -223,15 +234,16 @@ def test_a_batch_pass_carries_different_acceptances(target, prompts, references)
     assert max(oracle.passes) == 3  # the plain sequence never drafts
 
 
-def test_the_real_draft_in_a_batch(target, draft, prompts, references):
+@by_rules
+def test_the_real_draft_in_a_batch(target, draft, prompts, references, rules):
     """The tiny random draft (its own attention over each sequence's context, padded blocks of
     different lengths in one pass, the committed features handed off for all sequences in one
-    draft call): each sequence as alone, its target and draft caches after every cycle too, and
-    as the target alone."""
+    draft call, or a call each by a GPU's rules): each sequence as alone, its target and draft
+    caches after every cycle too, and as the target alone."""
     specs = [dict(prompt=p, block=b, max_tokens=n) for p, b, n in zip(prompts[:4], [2, 16, 5, 1], [30, 24, 36, 20])]
-    together, caches = run_batch(target, draft, specs, [0, 1, 3, 0], record=True)
+    together, caches = run_batch(target, draft, specs, [0, 1, 3, 0], record=True, rules=rules)
     for i, spec in enumerate(specs):
-        alone, alone_caches = run_batch(target, draft, [spec], [0], record=True)
+        alone, alone_caches = run_batch(target, draft, [spec], [0], record=True, rules=rules)
         assert together[i] == alone[0] and len(caches[i]) == len(alone_caches[0])  # the same cycles
         for got, want in zip(caches[i][-1], alone_caches[0][-1]):
             assert mx.array_equal(got, want).item()
@@ -631,8 +643,9 @@ def test_prefix_cache_reuse_in_a_batch(pair_model):
 @pytest.mark.slow  # every kernel call runs in the C++ emulator
 def test_a_batch_on_the_emulated_metal_path(tmp_path):
     """The target as a Mac runs it (Gated DeltaNet layers uncompiled, every recurrence and replay
-    through the Metal kernels, here the emulator): the batch's recurrence runs B rows in one kernel
-    call, each sequence still as alone, bit for bit, and as the target alone."""
+    through the Metal kernels, here the emulator; a GPU's batch rules: two rows at least, a draft
+    call per sequence): the batch's recurrence runs B rows in one kernel call, each sequence still
+    as alone, bit for bit, and as the target alone."""
     from tests.conftest import make_hf_target
     from tests.test_emulated_metal import emulated_recurrence, kernels_used
 
@@ -641,9 +654,9 @@ def test_a_batch_on_the_emulated_metal_path(tmp_path):
     draft = make_draft(tmp_path / "d", target, config, block_size=4)
     prompts = random_prompts(3, VOCAB, seed=2, low=4, high=12)
     specs = [dict(prompt=p, block=b, max_tokens=n) for p, b, n in zip(prompts, [4, 1, 3], [10, 8, 12])]
-    together, caches = run_batch(target, draft, specs, [0, 1, 0], record=True)
+    together, caches = run_batch(target, draft, specs, [0, 1, 0], record=True, rules=RULES["gpu rules"])
     for i, spec in enumerate(specs):
-        alone, alone_caches = run_batch(target, draft, [spec], [0], record=True)
+        alone, alone_caches = run_batch(target, draft, [spec], [0], record=True, rules=RULES["gpu rules"])
         assert together[i] == alone[0] and len(caches[i]) == len(alone_caches[0])
         for got, want in zip(caches[i][-1], alone_caches[0][-1]):
             assert mx.array_equal(got, want).item()
