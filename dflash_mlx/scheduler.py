@@ -90,24 +90,27 @@ class _InFlight:
 class Scheduler:
     """Runs many requests on one model: at most ``max_active`` decoding at once, the rest waiting
     in arrival order. ``prompt_cache``: the pool every request takes its starting caches from and
-    gives its history back to."""
+    gives its history back to. ``row_limit``, ``min_rows`` and ``shared_calls``: the device's batch
+    rules (``Decoder``) unless given (the tests run a GPU's on the CPU)."""
 
     def __init__(self, model: DFlashModel, tokenizer, max_active: int = 4, prompt_cache: Optional[PromptCachePool] = None,
-                 prefill_step_size: Optional[int] = None, row_limit: Optional[int] = None):
+                 prefill_step_size: Optional[int] = None, row_limit: Optional[int] = None, min_rows: Optional[int] = None,
+                 shared_calls: Optional[bool] = None):
         if max_active < 1:
             raise ValueError(f"max_active must be at least 1, got {max_active}")
         row_limit = batch_row_limit() if row_limit is None else row_limit
-        if max_active * batch_min_rows() > row_limit:
+        min_rows = batch_min_rows() if min_rows is None else min_rows
+        if max_active * min_rows > row_limit:
             raise ValueError(f"max_active {max_active}: a pass takes at most {row_limit} rows on this device, at least "
-                             f"{batch_min_rows()} per sequence (docs/design.md, 'Batched decoding'): at most "
-                             f"{row_limit // batch_min_rows()} at once")
+                             f"{min_rows} per sequence (docs/design.md, 'Batched decoding'): at most "
+                             f"{row_limit // min_rows} at once")
         if not model.runner.batches:
             raise ValueError("a pipelined target decodes one request at a time: batching needs every layer here")
         self.model, self.tokenizer, self.max_active = model, tokenizer, max_active
         self.prompt_cache = prompt_cache
         self.prefill_step_size = BATCH_PREFILL_STEP if prefill_step_size is None else prefill_step_size
         self.decoders: Dict[bool, Decoder] = {}  # with the draft and without (use_draft False)
-        self.row_limit = row_limit
+        self.row_limit, self.min_rows, self.shared_calls = row_limit, min_rows, shared_calls
         self.waiting: Deque[BatchRequest] = deque()
         self.prefilling: Deque[BatchRequest] = deque()
         self.active: List[BatchRequest] = []
@@ -150,7 +153,7 @@ class Scheduler:
     def _decoder(self, use_draft: bool) -> Decoder:
         if use_draft not in self.decoders:
             self.decoders[use_draft] = Decoder(self.model.target, self.model.draft if use_draft else None, self.row_limit,
-                                               batch_min_rows())
+                                               self.min_rows, self.shared_calls)
         return self.decoders[use_draft]
 
     def _admit(self, r: BatchRequest) -> None:

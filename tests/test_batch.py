@@ -456,10 +456,11 @@ def pair_model(tmp_path_factory):
     return load(str(target_dir), draft=str(draft_dir))
 
 
-def schedule(model, tokenizer, specs, arrivals, max_active=4, cancel_after=None):
+def schedule(model, tokenizer, specs, arrivals, max_active=4, cancel_after=None, rules=None):
     """Run requests through a ``Scheduler``, request i submitted at round ``arrivals[i]``
-    (``cancel_after[i]``: cancelled once it has that many tokens): each one's tokens and text."""
-    scheduler = Scheduler(model, tokenizer, max_active)
+    (``cancel_after[i]``: cancelled once it has that many tokens): each one's tokens and text.
+    ``rules``: one of ``RULES`` (default: this device's)."""
+    scheduler = Scheduler(model, tokenizer, max_active, **(rules or {}))
     tokens = {i: [] for i in range(len(specs))}
     texts = {i: "" for i in range(len(specs))}
     flags = {i: False for i in range(len(specs))}
@@ -483,15 +484,16 @@ def schedule(model, tokenizer, specs, arrivals, max_active=4, cancel_after=None)
     return tokens, texts, requests
 
 
-def test_staggered_requests_with_a_cancel_and_a_stop_string(pair_model):
+@by_rules
+def test_staggered_requests_with_a_cancel_and_a_stop_string(pair_model, rules):
     model, tokenizer = pair_model
     prompts = [p.tolist() for p in random_prompts(4, 200, seed=9, low=5, high=40)]
     specs = [dict(prompt=p, max_tokens=n, block_tokens=b) for p, n, b in zip(prompts, [40, 25, 50, 30], [4, "auto", 8, 1])]
-    alone = [schedule(model, tokenizer, [s], [0]) for s in specs]
+    alone = [schedule(model, tokenizer, [s], [0], rules=rules) for s in specs]
     stop_text = alone[2][1][0][30:34]  # four characters from the middle of request 2's answer
     assert stop_text
     specs[2]["stop"] = [stop_text]
-    tokens, texts, _ = schedule(model, tokenizer, specs, [0, 2, 3, 7], cancel_after={1: 9})
+    tokens, texts, _ = schedule(model, tokenizer, specs, [0, 2, 3, 7], cancel_after={1: 9}, rules=rules)
     assert tokens[0] == alone[0][0][0] and tokens[3] == alone[3][0][0]
     assert tokens[1] == alone[1][0][0][: len(tokens[1])] and 9 <= len(tokens[1]) < 25  # cancelled within a cycle
     assert texts[2] == alone[2][1][0][: alone[2][1][0].index(stop_text)]  # cut before the stop string
@@ -723,6 +725,8 @@ def test_a_pass_stays_within_the_devices_row_limit(pair_model):
     with pytest.raises(ValueError, match="max_active 9: a pass takes at most 8 rows on this device.*at most 8 at once"):
         Scheduler(model, tokenizer, max_active=9, row_limit=8)
     assert Scheduler(model, tokenizer, max_active=8, row_limit=8).row_limit == 8
+    with pytest.raises(ValueError, match="max_active 9: .* at most 16 rows .* at least 2 per sequence.*at most 8 at once"):
+        Scheduler(model, tokenizer, max_active=9, row_limit=16, **RULES["gpu rules"])  # what a Mac says
 
 
 def test_a_stop_string_while_the_next_cycle_is_in_flight_leaves_the_history_as_recorded(pair_model):
