@@ -202,7 +202,14 @@ class CycleCosts:
     not start from short-context costs. A negative fitted slope is not extrapolated.
 
     Both parts forget (per kept measurement), which is how costs follow a machine that gets busier
-    or cooler. A weak ridge makes the line defined from the first measurement and, with ``b - 1``
+    or cooler; but a size is measured only while it runs, and a plain step runs rarely while a
+    copying workload drafts. So the means also share the machine's *level* (its log speed): when
+    two kept measurements of a settled size in a row land more than ``LEVEL_JUMP`` from its
+    prediction the same way (a speed jump, not noise nor the slow growth of a context), the level
+    moves by ``LEVEL_STEP`` of that surprise and every size's mean moves with it. Without it, plain
+    steps measured while the machine ran at half speed kept that cost through a suite at block 4,
+    and the next workload drafted block 4 at 11% acceptance: 0.60x of the target alone
+    (docs/benchmarks.md, "A machine that changes speed"). A weak ridge makes the line defined from the first measurement and, with ``b - 1``
     unscaled, puts what one size cannot tell apart on the per-token slope: sizes between those
     measured look cheaper than a flat line would say, and get tried. The first measurement of
     each size is skipped (it pays for compiling); once a size is settled, its measurements are
@@ -224,6 +231,8 @@ class CycleCosts:
     SETTLED, SAMPLE, REFIT, CLIP = 8, 8, 4, 1.5
     SLOPE_PRIOR = 1.0  # ridge on the context slopes (g, h, e), in measurements one unit of context apart
     DRIFT, DRIFT_FLOOR = 0.25, 512 / CONTEXT_UNIT  # a size unsettles past this relative (or absolute) context move
+    LEVEL_STEP = 0.5  # how much of a settled size's surprise (in log seconds) is taken as the machine's
+    LEVEL_JUMP = math.log(1.25)  # a settled size's surprise beyond this is the machine's speed, not the context's
     PRIOR_SIZES = 3  # distinct sizes measured before the line replaces the prior's shape
 
     def __init__(self, forget: float = 0.98, ridge: float = 1e-3, prior: Optional[Sequence[float]] = None):
@@ -237,7 +246,10 @@ class CycleCosts:
         self.weight = 0.0  # decayed number of measurements in the fit
         self.theta = [0.0] * 6
         self.center = 0.0  # the fit's mean context (units): where negative slopes stop extrapolating
-        self.recent: Dict[int, float] = {}  # block size -> recent mean seconds
+        self.recent: Dict[int, float] = {}  # block size -> recent mean seconds, at the machine level of level_at
+        self.level = 0.0  # the machine's log speed, as the settled sizes' measurements have moved it
+        self.level_at: Dict[int, float] = {}  # block size -> the level its recent mean was measured at
+        self.jumped: Dict[int, float] = {}  # block size -> its last kept measurement's surprise beyond LEVEL_JUMP (or 0)
         self.where: Dict[int, float] = {}  # block size -> the context (units) that mean was measured at
         self.measured: Dict[int, int] = {}  # block size -> measurements kept
         self.cycles: Dict[int, int] = {}  # block size -> cycles seen
@@ -301,6 +313,15 @@ class CycleCosts:
             self._fit()
         else:
             self._since_fit += 1
+        if block in self.recent:
+            surprise = math.log(seconds / self._at(block, units))
+            if kept <= self.SETTLED or abs(surprise) <= self.LEVEL_JUMP:
+                surprise = 0.0
+            elif surprise * self.jumped.get(block, 0.0) > 0:  # twice the same way: the machine's speed moved
+                self.level += self.LEVEL_STEP * surprise
+            self.jumped[block] = surprise
+            self.recent[block] *= math.exp(self.level - self.level_at[block])
+        self.level_at[block] = self.level
         step = max(1.0 / kept, 0.2)
         old = self.recent.get(block, seconds)
         self.recent[block] = old + step * (seconds - old)
@@ -342,9 +363,11 @@ class CycleCosts:
         return max(self.shadow_extra + (h if h > 0 else 0.0) * (context / CONTEXT_UNIT - self.shadow_where), 0.0)
 
     def _at(self, block: int, units: float) -> float:
-        """A measured size's recent mean carried to ``units`` of context along its slope."""
+        """A measured size's recent mean carried to the machine's level now and to ``units`` of
+        context along its slope."""
         slope = self.slope(block)
-        return self.recent[block] + (slope if slope > 0 else 0.0) * (units - self.where[block])
+        own = self.recent[block] * math.exp(self.level - self.level_at[block])
+        return own + (slope if slope > 0 else 0.0) * (units - self.where[block])
 
     def predict(self, first: int, last: int, context: int = 0) -> List[float]:
         """Predicted seconds per cycle for ``b = first..last`` at ``context`` tokens (``line`` and
@@ -354,7 +377,7 @@ class CycleCosts:
         units = context / CONTEXT_UNIT
         a, s, c, g, h, e = self.theta
         center, floor = self.center, 0.5 * self.smallest
-        recent, where, measured = self.recent, self.where, self.measured
+        recent, where, measured, level, level_at = self.recent, self.where, self.measured, self.level, self.level_at
         # Where a size's prediction starts before its own measurements: the prior's shape scaled to
         # the sizes measured so far (their means carried to this context), until PRIOR_SIZES of them
         # are; then the fitted line.
@@ -372,7 +395,7 @@ class CycleCosts:
             kept = measured.get(b, 0)
             if kept:
                 own = kept / (kept + 1.0)
-                cost = own * (recent[b] + up * (units - where[b])) + (1.0 - own) * cost
+                cost = own * (recent[b] * math.exp(level - level_at[b]) + up * (units - where[b])) + (1.0 - own) * cost
             out.append(cost if cost > floor else floor)
         return out
 
