@@ -450,10 +450,37 @@ def _block_order(block: str):
     return (1, block) if block.startswith("auto") else (0, int(block))
 
 
+def _rate(runs: List[Run]) -> float:
+    """Tokens per second over a row's prompts: each prompt's median over its repeats (tokens and
+    seconds), then all its prompts' tokens over all their seconds, as a user running them one after
+    another would see. A median pooled over the runs of prompts of different speeds (`edit` at 4k:
+    answers of 22 and 63 tokens) lands between two clusters, on their edges: the slowest run of the
+    fast prompt and the fastest of the slow one, whatever the other runs did."""
+    tokens = seconds = 0.0
+    for index in sorted({r.prompt_index for r in runs}):
+        mine = [r for r in runs if r.prompt_index == index]
+        rate = statistics.median(r.tps for r in mine)
+        if not rate:
+            return 0.0
+        count = statistics.median(r.tokens for r in mine)
+        tokens, seconds = tokens + count, seconds + count / rate
+    return tokens / seconds if seconds else 0.0
+
+
+def _cpu_ms_per_token(runs: List[Run]) -> float:
+    """CPU milliseconds per token over a row's prompts, weighted as ``_rate`` weighs them."""
+    tokens = cpu = 0.0
+    for index in sorted({r.prompt_index for r in runs}):
+        mine = [r for r in runs if r.prompt_index == index]
+        count = statistics.median(r.tokens for r in mine)
+        tokens, cpu = tokens + count, cpu + count * statistics.median(r.cpu_ms_per_token for r in mine)
+    return cpu / tokens if tokens else 0.0
+
+
 def summarize(runs: List[Run]) -> List[Dict]:
-    """One row per suite, context length and block setting: medians over every prompt and repeat
-    on both sides (the baseline is not reduced to one repeat per prompt), identical-output check,
-    and the share of cycles at each block size."""
+    """One row per suite, context length and block setting: each side's rate from the medians of
+    every prompt's repeats (``_rate``; the baseline is not reduced to one repeat per prompt),
+    identical-output check, and the share of cycles at each block size."""
     rows = []
     keys = {(r.suite, r.context_tokens, r.block_tokens) for r in runs if r.mode == "dflash"}
     for suite, context, block in sorted(keys, key=lambda k: (k[0], k[1], _block_order(k[2]))):
@@ -461,9 +488,8 @@ def summarize(runs: List[Run]) -> List[Dict]:
         base = [r for r in runs if (r.suite, r.context_tokens, r.mode) == (suite, context, "baseline")]
         mlx_lm = [r for r in runs if (r.suite, r.context_tokens, r.mode) == (suite, context, "mlx_lm")]
         reference = {r.prompt_index: r.output for r in base}
-        base_tps = statistics.median(b.tps for b in base)
-        spec_tps = statistics.median(s.tps for s in spec)
-        mlx_lm_tps = statistics.median(m.tps for m in mlx_lm) if mlx_lm else None
+        base_tps, spec_tps = _rate(base), _rate(spec)
+        mlx_lm_tps = _rate(mlx_lm) if mlx_lm else None
         histogram: Dict[int, int] = {}
         for s in spec:
             for b, n in s.block_histogram.items():
@@ -488,8 +514,7 @@ def summarize(runs: List[Run]) -> List[Dict]:
             "cycle_ms": 1e3 * statistics.mean(s.tokens_per_cycle for s in spec) / spec_tps if spec_tps else None,
             # the same ratio in CPU time per token: on a shared machine wall time stretches with the
             # neighbours' load, CPU time much less (MLX's CPU backend computes on this process's threads)
-            "cpu_speedup": (statistics.median(b.cpu_ms_per_token for b in base) / cpu_spec
-                            if (cpu_spec := statistics.median(s.cpu_ms_per_token for s in spec)) else None),
+            "cpu_speedup": (_cpu_ms_per_token(base) / cpu_spec if (cpu_spec := _cpu_ms_per_token(spec)) else None),
             "baseline_ttft_s": _ttft(base),
             "dflash_ttft_s": _ttft(spec),
             "identical": all(s.output == reference[s.prompt_index] for s in spec),

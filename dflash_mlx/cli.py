@@ -315,7 +315,7 @@ def bench(
     suite: Annotated[List[str], typer.Option("--suite", "-s", help="Built-in workload(s): edit (the answer copies the prompt), code (fresh code), prose. Repeatable.")] = ["edit", "code", "prose"],
     prompt_file: Annotated[Optional[Path], typer.Option("--prompt-file", help="Extra workload 'file': a text file (one prompt) or .jsonl ({\"prompt\": ...} per line).")] = None,
     context: Annotated[str, typer.Option("--context", help="Put this much real file context (Python standard library source) before each prompt, comma-separated token counts (e.g. 1k,4k,8k; k = 1024): shows how speedup and the chosen block move with context length. Default: none.")] = "",
-    repeats: Annotated[int, typer.Option("--repeats", help="Measure each prompt this many times (medians over all of them, both sides). Runs on a busy or throttling machine differ by 10-20%; one repeat cannot tell 5% apart.")] = 3,
+    repeats: Annotated[int, typer.Option("--repeats", help="Measure each prompt this many times (each side: every prompt's median, then a row's prompts' tokens over their seconds). Runs on a busy or throttling machine differ by 10-20%; one repeat cannot tell 5% apart.")] = 3,
     chat_template: Annotated[bool, typer.Option("--chat-template/--no-chat-template", help="Wrap prompts in the chat template.")] = True,
     out: Annotated[Optional[Path], typer.Option("--out", help="Write all results as JSON here.")] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG: tok/s per suite side by side, and accepted lengths.")] = None,

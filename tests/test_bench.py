@@ -114,3 +114,24 @@ def test_the_mlx_lm_column_samples_the_same_distribution():
         theirs = mlx_lm_probs(rows, **mlx_lm_sampler_arguments(sampling))
         np.testing.assert_allclose(np.array(ours.probs(rows)), theirs, atol=2e-6, err_msg=str(sampling))
     assert make_sampler(**mlx_lm_sampler_arguments(dict(temp=0.0, top_p=0.9))) is greedy_sampler
+
+
+def test_rows_weigh_each_prompts_median_by_its_tokens():
+    """Two prompts of different speeds (a 22-token answer at 100 tok/s, a 66-token one at 200), the
+    same per-prompt medians on both sides, different spreads: 1.00x. A median pooled over the six
+    runs of each side lands on the clusters' edges, (104 + 190) / 2 against (101 + 199) / 2, and
+    read 1.02x."""
+    def timed(mode, index, tps, tokens):
+        r = run(mode, index, tps, None if mode == "baseline" else "1")
+        r.tokens, r.cpu_ms_per_token = tokens, 1e3 / tps
+        return r
+    runs = [timed("baseline", 0, tps, 22) for tps in (96, 100, 104)] + [timed("baseline", 1, tps, 66) for tps in (190, 200, 210)]
+    runs += [timed("dflash", 0, tps, 22) for tps in (92, 100, 101)] + [timed("dflash", 1, tps, 66) for tps in (199, 200, 201)]
+    (row,) = summarize(runs)
+    assert row["speedup"] == pytest.approx(1.0) and row["cpu_speedup"] == pytest.approx(1.0)
+    # 88 tokens over 22/100 + 66/200 seconds: the tokens a user gets per second running both.
+    assert row["baseline_tps"] == pytest.approx(88 / (0.22 + 0.33))
+    runs = [r for r in runs if not (r.mode == "dflash" and r.prompt_index == 1)]
+    runs += [timed("dflash", 1, tps, 66) for tps in (399, 400, 401)]  # twice as fast on the long answer
+    (row,) = summarize(runs)
+    assert row["speedup"] == pytest.approx((0.22 + 0.33) / (0.22 + 0.165))
