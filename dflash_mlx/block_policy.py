@@ -209,9 +209,10 @@ class CycleCosts:
     moves by ``LEVEL_STEP`` of that surprise and every size's mean moves with it. Without it, plain
     steps measured while the machine ran at half speed kept that cost through a suite at block 4,
     and the next workload drafted block 4 at 11% acceptance: 0.60x of the target alone
-    (docs/benchmarks.md, "A machine that changes speed"). A weak ridge makes the line defined from the first measurement and, with ``b - 1``
-    unscaled, puts what one size cannot tell apart on the per-token slope: sizes between those
-    measured look cheaper than a flat line would say, and get tried. The first measurement of
+    (docs/benchmarks.md, "A machine that changes speed"). A weak ridge makes the line defined
+    from the first measurement and, with ``b - 1`` unscaled, puts what one size cannot tell apart
+    on the per-token slope: sizes between those measured look cheaper than a flat line would say,
+    and get tried. The first measurement of
     each size is skipped (it pays for compiling); once a size is settled, its measurements are
     clipped at ``CLIP`` times its prediction (a paused consumer, a page fault, a neighbour's burst
     on a shared machine: one such cycle should move the mean a little, not a fifth of the way). A
@@ -314,7 +315,8 @@ class CycleCosts:
         else:
             self._since_fit += 1
         if block in self.recent:
-            surprise = math.log(seconds / self._at(block, units))
+            expected = self._at(block, units)
+            surprise = math.log(seconds / expected) if seconds > 0 and expected > 0 else 0.0
             if kept <= self.SETTLED or abs(surprise) <= self.LEVEL_JUMP:
                 surprise = 0.0
             elif surprise * self.jumped.get(block, 0.0) > 0:  # twice the same way: the machine's speed moved
