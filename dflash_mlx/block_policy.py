@@ -555,9 +555,14 @@ class AutoBlock:
     A surprise (a probe or cycle accepting far more than the model expected: the workload
     changed) makes the acceptance start over from its prior, and the next probe comes as soon as
     the bucket allows, at ``cap`` (a shadow at ``b = 1``); a request starts that way too, unless it
-    starts at ``cap``. A collapse (first slots rejected in a row against odds below ``COLLAPSE``:
-    two in a row where the first slot was 97% right) restarts the acceptance too; a gentler drop
-    needs no help, the drafting cycles themselves measure it.
+    starts at ``cap``. The first drafts a request grades (a cycle's or a shadow's) guess its
+    answer's opening (a code fence, the chat template's words), which a draft predicts whatever
+    follows: accepted where the estimates say plain steps pay, they are not learnt and the next
+    probe comes at once; otherwise they count as any outcome. (Learnt, three accepted opening
+    tokens kept `edit` at 4k drafting its garbage answer for five more cycles, docs/benchmarks.md;
+    where drafting pays already, they agree with the estimates.) A collapse (first slots rejected
+    in a row against odds below ``COLLAPSE``: two in a row where the first slot was 97% right)
+    restarts the acceptance too; a gentler drop needs no help, the drafting cycles measure it.
 
     ``seconds``, ``probe_seconds`` (wall time of the cycles that explored: probes, shadows and
     optimistic choices), ``probe_regret`` (what they were charged: their time beyond what the best
@@ -577,6 +582,7 @@ class AutoBlock:
         self.probing = False  # the cycle in flight is a probe (or a shadow)
         self.exploring = False  # the cycle in flight is charged to the bucket
         self.surprised = True  # a new request may be a new workload: probe at once unless at cap
+        self.opening = True  # the next outcome learnt is this answer's first
         self.shadowing = 0  # draft tokens the current step shadows
         self.shadow: List[int] = []  # shadow proposals not yet compared with committed tokens
         self.shadow_matched = 0
@@ -741,6 +747,10 @@ class AutoBlock:
         self._learn(drafted, self.shadow_matched, probe=True)
 
     def _learn(self, drafted: int, accepted: int, probe: bool = False) -> None:
+        opening, self.opening = self.opening, False
+        if opening and accepted and self.point_best == 1:  # an opening predicted: not yet a reason to draft
+            self.surprised = True
+            return
         surprise = accepted > 0 and self.acceptance.chance_of_at_least(drafted, accepted) < SURPRISE
         # The other way: first slots rejected in a row, each against the odds the model gave it.
         first = self.acceptance.probabilities(1)[0]

@@ -498,6 +498,30 @@ def test_a_short_request_after_a_workload_change_drops_the_last_ones_prior_quick
                 assert alone >= 0.95, (seed, turn, chosen, alone)
 
 
+def test_an_answers_opening_does_not_keep_drafting_the_rest():
+    """The bench's `edit` at 4k (2026-12-05): each short answer opens with tokens any draft predicts
+    (a code fence: three accepted), then goes where the draft cannot follow (8% per slot), and a
+    block-4 cycle costs 1.9 plain steps. Learning the opening kept every answer drafting for
+    three to six more cycles (33-71 over 12 answers, 0.94-0.96x of the target alone); not learning
+    it, and looking again at once, leaves at most two per answer and 0.96x or better."""
+    def cost(b, context):
+        return MS * (1.0 if b == 1 else 1.7 + 0.1 * (b - 2))
+
+    opening = lambda t, n: [0.95, 0.9, 0.8] if n - 4096 < 3 else [0.08]  # noqa: E731
+    for shadow in (True, False):
+        for seed in range(4):
+            stats = BlockStats.seeded(seed)
+            simulate(lambda t, n: [0.1], 100, cost=cost, draft=0.4 * MS, seed=seed, stats=stats, start=4096, shadow=shadow)
+            past_opening, alone, spent = 0, 0.0, 0.0
+            for turn in range(12):
+                record = []
+                _, _, seconds = simulate(opening, 40, cost=cost, draft=0.4 * MS, seed=100 * seed + turn, stats=stats,
+                                         start=4096, record=record, shadow=shadow)
+                past_opening += sum(1 for b, _, _, _, _, context in record if b > 1 and context - 4096 >= 3)
+                alone, spent = alone + target_alone(record, cost), spent + seconds
+            assert past_opening <= 25 and alone / spent >= 0.96, (shadow, seed, past_opening, alone / spent)
+
+
 def test_costs_follow_a_machine_that_changes_speed():
     """The bench's `edit` row at 4k, 2026-12-04: the machine ran twice as slow while the first
     suite's plain steps were measured, then sped up while a copying suite drafted at block 4 in

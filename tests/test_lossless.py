@@ -459,6 +459,7 @@ class AlwaysAt(AutoBlock):
     def __init__(self, block):
         super().__init__(BlockStats.seeded(0), block)
         self.block = block
+        self.opening = False  # its choices do not look past an answer's opening: every outcome is learnt
 
     def choose(self):
         self.probing, self.shadowing = False, 0
