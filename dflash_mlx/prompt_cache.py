@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
+import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from .cache import GatedDeltaCache, cache_arrays
@@ -134,6 +135,13 @@ class PromptCache:
         for states in self.checkpoints.values():
             out += [a for pair in states for a in pair if a is not None]
         return out
+
+    def settle(self) -> None:
+        """Evaluate everything the history holds, on the thread that built it. The next turn may
+        run on another thread (a web app's thread pool), and MLX runs an operation only on a
+        stream of the thread that made it: work left pending on this thread's streams (the CPU
+        side streams are per thread) would fail there."""
+        mx.eval(self.arrays())
 
     @property
     def nbytes(self) -> int:

@@ -93,8 +93,11 @@ class Run:
     pool: Optional[PromptCachePool] = None
 
     def close(self) -> None:
-        """Undo the step in flight (the caches hold exactly the recorded tokens); free the history."""
+        """Undo the step in flight (the caches hold exactly the recorded tokens); settle and free
+        the history."""
         self.steps.close()
+        if self.history is not None:
+            self.history.settle()
         if self.pool is not None:
             self.pool.release(self.history)
 

@@ -279,6 +279,7 @@ class Scheduler:
         if r._prefill is not None:
             r._prefill.close()
         if self.prompt_cache is not None and r._history is not None:
+            r._history.settle()
             self.prompt_cache.release(r._history)
         r._history = None
         r.done = True

@@ -259,3 +259,59 @@ def test_an_interrupt_between_verify_and_rollback_falls_back_to_a_checkpoint(pai
     assert last.cached_prompt_tokens == len(prompt) - 1  # the checkpoint, not the live state
     fresh, _ = run(model, tokenizer, follow_up, max_tokens=8, block_tokens=8)
     assert got == fresh
+
+
+@pytest.mark.parametrize("use_draft", [True, False], ids=["speculative", "target-only"])
+def test_a_history_serves_the_next_turn_on_another_thread(pair, use_draft):
+    """A web app answers from a thread pool: each turn may run on another thread. MLX runs an
+    operation only on a stream of the thread that made it (the CPU side streams are per thread),
+    so a history left holding unevaluated work failed the next turn elsewhere ("There is no
+    Stream(cpu, 1) in current thread"); a finished generation leaves its history evaluated."""
+    import threading
+
+    model, tokenizer = pair
+    kwargs = dict(use_draft=use_draft, block_tokens=4 if use_draft else None)
+    for cache in (PromptCache(), PromptCachePool(1 << 30)):
+        turn1 = ids(31, 40)
+        got = {}
+
+        def first_turn():
+            got["out"], got["last"] = run(model, tokenizer, turn1, prompt_cache=cache, **kwargs)
+
+        worker = threading.Thread(target=first_turn)
+        worker.start()
+        worker.join()
+        turn2 = turn1 + got["out"] + ids(32, 9)
+        out2, last2 = run(model, tokenizer, turn2, prompt_cache=cache, **kwargs)
+        assert last2.cached_prompt_tokens == len(turn1) + len(got["out"]) - 1
+        fresh, _ = run(model, tokenizer, turn2, **kwargs)
+        assert fresh == out2
+
+
+def test_a_batched_history_serves_the_next_turn_on_another_thread(pair):
+    """The same through the scheduler (the server's engine): a request that leaves settles its
+    history before the pool takes it back."""
+    import threading
+
+    from dflash_mlx.scheduler import BatchRequest, Scheduler
+
+    model, tokenizer = pair
+    pool, turn1, got = PromptCachePool(1 << 30), ids(41, 40), {}
+
+    def answer(prompt):
+        responses = []
+        scheduler = Scheduler(model, tokenizer, 2, pool)
+        request = BatchRequest(prompt, responses.append, max_tokens=20, block_tokens=4)
+        scheduler.submit(request)
+        while not scheduler.idle:
+            scheduler.step()
+        assert request.error is None, request.error
+        return [r.token for r in responses], responses[-1]
+
+    worker = threading.Thread(target=lambda: got.update(out=answer(turn1)[0]))
+    worker.start()
+    worker.join()
+    turn2 = turn1 + got["out"] + ids(42, 9)
+    out2, last2 = answer(turn2)
+    assert last2.cached_prompt_tokens == len(turn1) + len(got["out"]) - 1
+    assert out2 == run(model, tokenizer, turn2, block_tokens=4)[0]
