@@ -14,7 +14,7 @@ import mlx.core as mx
 import pexpect
 import pytest
 
-from dflash_mlx import tiny
+from dflash_mlx import scripted, tiny
 from dflash_mlx.api import load
 from dflash_mlx.chat import ChatSession
 from tests import subprocess_env
@@ -27,6 +27,21 @@ STATS = re.compile(r"(\d+) tokens, [\d.]+ tok/s, [\d.]+ tokens/cycle, acceptance
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     return tiny.write_pair(tmp_path_factory.mktemp("cli"))
+
+
+@pytest.fixture(scope="module")
+def endless_pair(tmp_path_factory):
+    """A tiny pair whose target answers " the model block" over and over, never its end of turn:
+    an answer that is still streaming whenever Ctrl-C comes, however fast the machine (the random
+    tiny target ended its answer after 80 tokens, sometimes before the test's Ctrl-C arrived)."""
+    from transformers import AutoTokenizer
+
+    target, draft = tiny.write_pair(tmp_path_factory.mktemp("endless"))
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    generation_prompt_end = tokenizer.encode("\n")  # the last token of every generation prompt
+    loop = tokenizer.encode(" the model block")
+    scripted.point_head(target, [generation_prompt_end + loop + loop[:1]])
+    return target, draft
 
 
 def cli(*args, env=None, input=None):
@@ -98,21 +113,28 @@ def test_chat_turns_reuse_the_cache_and_reset_forgets(pair):
 
 
 @pytest.mark.slow  # a chat session in a pseudo-terminal
-def test_ctrl_c_stops_the_answer_and_keeps_the_session(pair):
-    child = spawn_chat(pair, "--max-tokens", "100000", "--temp", "0.8", "--seed", "1")
-    child.sendline("tell me everything")
-    child.expect("tell me everything\r\n")
-    child.expect(r"\S{5}")  # the answer is streaming
-    child.sendintr()
-    child.expect(r"\[stopped\]")
-    child.expect(STATS)
-    child.expect(">>> ")
-    tokens, _, cached = turn(child, "shorter please")
-    assert cached > 0  # the stopped turn is in the history and its cache is reused
+def test_ctrl_c_stops_the_answer_and_keeps_the_session(endless_pair):
+    child = spawn_chat(endless_pair, "--max-tokens", "100000")
+    first_cached = interrupted_turn(child, "tell me everything")
+    assert first_cached == 0
+    assert interrupted_turn(child, "shorter please") > 0  # the stopped turn is in the history and its cache is reused
     child.sendline("/exit")
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
+
+
+def interrupted_turn(child, text):
+    """Ask, press Ctrl-C once the answer streams, and return the turn's cached prompt tokens."""
+    child.sendline(text)
+    child.expect(text + "\r\n")
+    child.expect(r"\S{5}")  # the answer is streaming
+    child.sendintr()
+    child.expect(r"\[stopped\]")
+    child.expect(STATS)
+    cached = int(child.match.group(3))
+    child.expect(">>> ")
+    return cached
 
 
 def test_a_follow_up_turn_equals_a_fresh_run_on_the_whole_conversation(pair):
