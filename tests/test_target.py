@@ -172,3 +172,31 @@ def test_only_decode_and_verify_lengths_are_compiled(hf_target_dir):
     target(ids[None, :40], cache)
     stepped = target(ids[None, 40:41], cache)
     np.testing.assert_allclose(np.array(stepped[0, -1]), np.array(target(ids[None, :41])[0, -1]), atol=1e-4)
+
+
+def test_each_layer_is_queued_as_it_is_built_with_the_same_numbers(target, draft, monkeypatch):
+    """On the CPU every target and draft layer's output goes to ``mx.async_eval`` as soon as it
+    is built (``layers.submit_layer``: MLX's CPU stream runs it while Python builds the next), and
+    the numbers are those of the pass queued whole."""
+    from dflash_mlx.models import layers
+
+    queued = []
+    real = mx.async_eval
+    monkeypatch.setattr(layers.mx, "async_eval", lambda *a: (queued.append(a), real(*a))[1])
+    cache = target.make_cache()
+    logits, features = target.forward(mx.array(PROMPT), cache, draft.target_layer_ids)
+    draft_cache = draft.make_cache()
+    draft.add_context(features, draft_cache)
+    block = mx.array([3] + [draft.mask_token_id] * (draft.block_size - 1))
+    hidden = draft.hidden(block[None], draft_cache)
+    assert len(queued) == len(target.layers) + len(draft.layers)
+    assert all(len(a) == 1 and isinstance(a[0], mx.array) for a in queued)
+
+    monkeypatch.setattr(layers.mx, "async_eval", lambda *a: None)  # nothing queued before the end
+    cache = target.make_cache()
+    logits_whole, features_whole = target.forward(mx.array(PROMPT), cache, draft.target_layer_ids)
+    draft_cache = draft.make_cache()
+    draft.add_context(features_whole, draft_cache)
+    hidden_whole = draft.hidden(block[None], draft_cache)
+    for ours, whole in ((logits, logits_whole), (features, features_whole), (hidden, hidden_whole)):
+        assert mx.array_equal(ours, whole).item()

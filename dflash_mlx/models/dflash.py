@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten
 from .. import quantized
 from ..quant import parse_quant
 from ..sampling import Sampler, propose
-from .layers import MLP, attention, side_streams
+from .layers import MLP, attention, side_streams, submit_layer
 
 
 def evenly_spaced_layer_ids(num_target_layers: int, num_draft_layers: int) -> List[int]:
@@ -568,6 +568,7 @@ class DFlashDraft(nn.Module):
             x = x.astype(self.activation_dtype)
         for layer, c in zip(self.layers, cache):
             x = layer(x, self.rope, c)
+            submit_layer(x)
         return self.norm(x[:, 1:])
 
     def logits(self, hidden: mx.array) -> mx.array:

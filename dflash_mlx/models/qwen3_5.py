@@ -17,7 +17,7 @@ from mlx_lm.models.cache import KVCache
 from .. import kernels, quantized
 from ..cache import GatedDeltaCache, GatedDeltaTape
 from ..checkpoint_files import text_part
-from .layers import MLP, attention, side_streams
+from .layers import MLP, attention, side_streams, submit_layer
 
 # Gated DeltaNet output gates that are Qwen3.5's silu (``None``: the field is absent).
 SILU_GATES = (None, "silu", "swish")
@@ -440,6 +440,7 @@ class Model(nn.Module):
         tapped = {}
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
             h = layer(h, c, record_tape)
+            submit_layer(h)
             if i in taps:
                 tapped[i] = h
         return h, tapped
