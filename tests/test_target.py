@@ -180,23 +180,22 @@ def test_each_layer_is_queued_as_it_is_built_with_the_same_numbers(target, draft
     the numbers are those of the pass queued whole."""
     from dflash_mlx.models import layers
 
+    block = mx.array([[3] + [draft.mask_token_id] * (draft.block_size - 1)])
+
+    def passes():
+        """The target's logits and taps on the prompt, and the draft's states on a block after it."""
+        logits, features = target.forward(mx.array(PROMPT), target.make_cache(), draft.target_layer_ids)
+        draft_cache = draft.make_cache()
+        draft.add_context(features, draft_cache)
+        return logits, features, draft.hidden(block, draft_cache)
+
     queued = []
     real = mx.async_eval
     monkeypatch.setattr(layers.mx, "async_eval", lambda *a: (queued.append(a), real(*a))[1])
-    cache = target.make_cache()
-    logits, features = target.forward(mx.array(PROMPT), cache, draft.target_layer_ids)
-    draft_cache = draft.make_cache()
-    draft.add_context(features, draft_cache)
-    block = mx.array([3] + [draft.mask_token_id] * (draft.block_size - 1))
-    hidden = draft.hidden(block[None], draft_cache)
+    layered = passes()
     assert len(queued) == len(target.layers) + len(draft.layers)
     assert all(len(a) == 1 and isinstance(a[0], mx.array) for a in queued)
 
     monkeypatch.setattr(layers.mx, "async_eval", lambda *a: None)  # nothing queued before the end
-    cache = target.make_cache()
-    logits_whole, features_whole = target.forward(mx.array(PROMPT), cache, draft.target_layer_ids)
-    draft_cache = draft.make_cache()
-    draft.add_context(features_whole, draft_cache)
-    hidden_whole = draft.hidden(block[None], draft_cache)
-    for ours, whole in ((logits, logits_whole), (features, features_whole), (hidden, hidden_whole)):
+    for ours, whole in zip(layered, passes()):
         assert mx.array_equal(ours, whole).item()
