@@ -342,7 +342,7 @@ def stream_generate(
     the answer (``logprobs`` None: they stay on the last rank); on every other rank it takes part
     in that one request and yields nothing (each rank runs the same script).
     """
-    if isinstance(model, Target):
+    if not isinstance(model, DFlashModel):  # a bare target, of any family
         model = DFlashModel(model)
     if not model.runner.leads:  # a pipeline's other ranks take part in rank 0's request
         model.runner.follow(model)

@@ -128,15 +128,19 @@ def _cpu_ms(since: Optional[float], tokens: int) -> float:
 
 
 def load_mlx_lm(target_path: Path):
-    """The target as mlx-lm builds it, with its ``qwen3_5`` / ``qwen3_5_moe`` classes whatever the
-    config calls the model (text-only checkpoints say ``*_text``, some Qwen3.8 re-exports ``qwen3_8``:
-    names mlx-lm's loader does not map itself)."""
+    """The target as mlx-lm builds it: a Qwen3.5 target with mlx-lm's ``qwen3_5`` / ``qwen3_5_moe``
+    classes whatever the config calls the model (text-only checkpoints say ``*_text``, some Qwen3.8
+    re-exports ``qwen3_8``: names mlx-lm's loader does not map itself); the other families
+    (``qwen3``, ``qwen3_moe``, ``llama``) with the classes mlx-lm's loader picks itself."""
     from mlx_lm.models import qwen3_5, qwen3_5_moe
     from mlx_lm.utils import load_model
 
-    from .loading import read_config, target_kind
+    from .loading import read_config, target_family, target_kind
 
-    module = qwen3_5_moe if target_kind(read_config(target_path)) == "moe" else qwen3_5
+    config = read_config(target_path)
+    if target_family(config) not in ("qwen3_5", "qwen3_5_moe"):
+        return load_model(Path(target_path))[0]
+    module = qwen3_5_moe if target_kind(config) == "moe" else qwen3_5
     model, _ = load_model(Path(target_path), get_model_classes=lambda config: (module.Model, module.ModelArgs))
     return model
 

@@ -121,26 +121,46 @@ def quantize_from_config(model: nn.Module, quantization: Dict[str, Any], weights
                 class_predicate=predicate)
 
 
-# Qwen3.6 and Qwen3.8 releases say ``qwen3_5`` (Qwen3.8-27B's config.json declares
-# ``Qwen3_5ForConditionalGeneration``); some re-exports of Qwen3.8 name the same layers ``qwen3_8``.
-TARGET_TYPES = {"qwen3_5": "dense", "qwen3_5_text": "dense", "qwen3_5_moe": "moe", "qwen3_5_moe_text": "moe",
-                "qwen3_8": "dense", "qwen3_8_text": "dense"}
+# model_type -> (the model file under models/, "dense" or "moe"). Qwen3.6 and Qwen3.8 releases say
+# ``qwen3_5`` (Qwen3.8-27B's config.json declares ``Qwen3_5ForConditionalGeneration``); some
+# re-exports of Qwen3.8 name the same layers ``qwen3_8``.
+TARGET_TYPES = {
+    "qwen3_5": ("qwen3_5", "dense"), "qwen3_5_text": ("qwen3_5", "dense"),
+    "qwen3_5_moe": ("qwen3_5_moe", "moe"), "qwen3_5_moe_text": ("qwen3_5_moe", "moe"),
+    "qwen3_8": ("qwen3_5", "dense"), "qwen3_8_text": ("qwen3_5", "dense"),
+    "qwen3": ("qwen3", "dense"), "qwen3_moe": ("qwen3_moe", "moe"), "llama": ("llama", "dense"),
+}
+DRAFT_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+
+
+def _target_entry(config: Dict[str, Any]) -> Tuple[str, str]:
+    if set(config.get("architectures") or ()) & set(DRAFT_ARCHITECTURES):
+        raise CheckpointError("this is a DFlash draft, not a target: pass it as the draft (--draft)")
+    model_type = config.get("model_type", "")
+    entry = TARGET_TYPES.get(model_type) or TARGET_TYPES.get(text_part(config).get("model_type", ""))
+    if entry is None:
+        families = ", ".join(sorted(TARGET_TYPES))
+        raise CheckpointError(f"model_type {model_type!r} is not a target this loads (model types: {families})")
+    return entry
+
+
+def target_family(config: Dict[str, Any]) -> str:
+    """The model file (``models.<name>``) for a target's config (multimodal or text-only)."""
+    return _target_entry(config)[0]
 
 
 def target_kind(config: Dict[str, Any]) -> str:
-    """``"dense"`` or ``"moe"`` for a Qwen3.5 target's config (multimodal or text-only)."""
-    model_type = config.get("model_type", "")
-    kind = TARGET_TYPES.get(model_type) or TARGET_TYPES.get(text_part(config).get("model_type", ""))
-    if kind is None:
-        raise CheckpointError(f"model_type {model_type!r} is not a Qwen3.5 model (expected one of {', '.join(TARGET_TYPES)})")
-    return kind
+    """``"dense"`` or ``"moe"`` (a mixture of experts) for a target's config."""
+    return _target_entry(config)[1]
 
 
 def target_module(config: Dict[str, Any]):
-    """The model file for a target's config: ``models.qwen3_5`` or ``models.qwen3_5_moe``."""
-    from .models import qwen3_5, qwen3_5_moe
+    """The model file for a target's config: ``models.qwen3_5``, ``qwen3_5_moe``, ``qwen3``,
+    ``qwen3_moe`` or ``llama``. Each has ``ModelArgs`` (``from_dict``), ``Model`` (with ``sanitize``)
+    and ``module_path`` (a checkpoint's tensor or module name as the model names it)."""
+    import importlib
 
-    return qwen3_5_moe if target_kind(config) == "moe" else qwen3_5
+    return importlib.import_module(f".models.{target_family(config)}", __package__)
 
 
 def read_target(path: Path) -> Tuple[Any, Dict[str, Any], Dict[str, mx.array]]:
@@ -159,36 +179,33 @@ def read_target(path: Path) -> Tuple[Any, Dict[str, Any], Dict[str, mx.array]]:
 
 
 def load_target(path: Path, recurrence=None, stage_of=None) -> Tuple[Any, Dict[str, Any]]:
-    """A Qwen3.5 target (``models.qwen3_5.Model``, or ``models.qwen3_5_moe.Model`` for the mixture
-    of experts) and its config. ``recurrence`` (``kernels.Recurrence``) overrides how its Gated
-    DeltaNet layers run; by default the kernels on an Apple GPU, the chunked pure-MLX form on the CPU.
+    """A target (the ``Model`` of its family's file, ``target_module``: Qwen3.5 dense or mixture of
+    experts, Qwen3, Qwen3-MoE, Llama) and its config. ``recurrence`` (``kernels.Recurrence``)
+    overrides how its Gated DeltaNet layers run (Qwen3.5); by default the kernels on an Apple GPU,
+    the chunked pure-MLX form on the CPU.
     ``stage_of(model, weights)``: a pipeline rank's ``pipeline.stages.Stage``, given the model and
     its (lazily loaded) weights; only that stage's weights are then read."""
-    from .models import qwen3_5
-
     model, config, weights = read_target(path)
-    module_path = qwen3_5.module_path
+    module_path = target_module(config).module_path
     if stage_of is not None:
         stage = stage_of(model, weights)
         stage.keep_only(model)
         weights = {name: v for k, v in weights.items() if (name := stage.local_name(k)) is not None}
-        module_path = partial(_stage_path, stage)
+        module_path = partial(_stage_path, stage, module_path)
     quantization = mlx_quantization(config)
     if quantization:
         quantize_from_config(model, quantization, weights, module_path)
     if recurrence is not None:
         model.use_recurrence(recurrence)
     model = _load_weights(model, weights, path)
-    if target_kind(config) == "moe" and mx.default_device() == mx.cpu:
-        model.experts_in_float32()  # MLX's CPU gather_mm computes only in float32
+    if mx.default_device() == mx.cpu:
+        model.experts_in_float32()  # MLX's CPU gather_mm computes only in float32 (no experts: nothing)
     return model, config
 
 
-def _stage_path(stage, key: str) -> Optional[str]:
+def _stage_path(stage, module_path: Callable[[str], Optional[str]], key: str) -> Optional[str]:
     """A checkpoint's module name as a pipeline stage's model names it (None: another rank's)."""
-    from .models import qwen3_5
-
-    name = qwen3_5.module_path(key)
+    name = module_path(key)
     return None if name is None else stage.local_name(name)
 
 

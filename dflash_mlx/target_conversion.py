@@ -1,5 +1,5 @@
-"""Hugging Face Qwen3.5 checkpoints (dense or mixture of experts) -> text-only MLX checkpoints,
-streamed: tensor by tensor, shard by shard.
+"""Hugging Face target checkpoints (Qwen3.5 dense or mixture of experts, Qwen3, Qwen3-MoE, Llama)
+-> text-only MLX checkpoints, streamed: tensor by tensor, shard by shard.
 
 The default pair's first use converts Qwopus3.5-9B-Coder (about 18 GB in bf16) to 4-bit on Macs
 with 18 GB of memory. MLX loads safetensors lazily and the module tree is built without
@@ -106,7 +106,10 @@ Predicate = Callable[[str, nn.Module], Union[bool, dict]]
 def quant_predicate(config: Dict) -> Optional[Predicate]:
     """mlx-lm's own recipe for this target, its model's ``quant_predicate`` (a mixture of experts
     keeps the router and the shared expert's gate at 8 bits, group 64: their rows decide which
-    experts run; None for a dense target). Imported here only: it pulls in transformers."""
+    experts run; None for a dense target). Qwen3.5: mlx-lm's model itself, imported here only (it
+    pulls in transformers); the other families: their model file's ``quant_predicate``, if any."""
+    if loading.target_family(config) not in ("qwen3_5", "qwen3_5_moe"):
+        return getattr(loading.target_module(config), "quant_predicate", None)
     from mlx_lm.models import qwen3_5 as mlx_lm_qwen3_5
 
     args = mlx_lm_qwen3_5.TextModelArgs.from_dict(dict(text_part(config)))
@@ -139,8 +142,7 @@ def convert_tensors(source: Path, config: Dict, staging: Path, quant: Optional[t
     """Write ``source``'s target weights to ``staging`` as MLX shards; returns the quantization
     block for the config (or {}). ``progress(done, total, peak_bytes)`` after each tensor; tensors
     of ``direct_read_bytes`` or more that are quantized are read from disk a slice at a time."""
-    from .models.qwen3_5 import module_path
-
+    module_path = loading.target_module(config).module_path
     model = _skeleton(config)
     modules = dict(model.named_modules())
     expected = {k for k, _ in tree_flatten(model.parameters())}
@@ -201,11 +203,13 @@ def convert_tensors(source: Path, config: Dict, staging: Path, quant: Optional[t
 
 
 def text_config(config: Dict) -> Dict:
-    """The text model's config, as a text-only checkpoint of its kind declares it."""
+    """The text model's config, as a text-only checkpoint of its kind declares it (a Qwen3.5
+    release's ``text_config``; Qwen3, Qwen3-MoE and Llama configs are text-only already)."""
     text = dict(text_part(config))
-    moe = loading.target_kind(config) == "moe"
-    text["model_type"] = "qwen3_5_moe_text" if moe else "qwen3_5_text"
-    text["architectures"] = ["Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"]
+    if loading.target_family(config) in ("qwen3_5", "qwen3_5_moe"):
+        moe = loading.target_kind(config) == "moe"
+        text["model_type"] = "qwen3_5_moe_text" if moe else "qwen3_5_text"
+        text["architectures"] = ["Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"]
     for key in ("tie_word_embeddings", "eos_token_id"):
         if key not in text and key in config:
             text[key] = config[key]
@@ -216,8 +220,9 @@ def text_config(config: Dict) -> Dict:
 
 def convert_target(model: str, output: str | Path, quant: Optional[str] = None, revision: Optional[str] = None,
                    force: bool = False, progress: Optional[Callable[[int, int, int], None]] = None) -> Path:
-    """A Hugging Face Qwen3.5 checkpoint (dense or MoE; local folder or repo) -> a text-only MLX
-    checkpoint, optionally 4/8-bit, written shard by shard (see the module's docstring)."""
+    """A Hugging Face target checkpoint (Qwen3.5 dense or MoE, Qwen3, Qwen3-MoE, Llama; local folder
+    or repo) -> a text-only MLX checkpoint, optionally 4/8-bit, written shard by shard (see the
+    module's docstring)."""
     output = Path(output)
     refuse_existing(output, force)
     parsed = parse_quant(quant)  # a bad spec fails before any download

@@ -195,3 +195,66 @@ def write_dflash2_draft(path: Path, config: Dict, seed: int = 1, dtype=np.float3
     w["candidate_selector.successor_codebook"] = tiny.normal(rng, (V, R), 1.0)
     save_file({k: v.astype(dtype) for k, v in w.items()}, str(path / "model.safetensors"))
     return config
+
+
+# ---- the plain-attention families (Qwen3, Qwen3-MoE, Llama) ------------------------------------------
+
+FAMILIES = ("qwen3", "llama", "qwen3_moe")
+
+
+def family_params(family: str, vocab_size: int = VOCAB, **overrides) -> dict:
+    """A tiny 4-layer config of ``family`` as transformers 5 takes it: Qwen3 (per-head q/k norms),
+    Llama 3.1 (its ``llama3`` RoPE scaling, with an original context of 32 so that the scaled
+    frequencies turn within a short prompt) or Qwen3-MoE (8 experts, top 2 renormalized, layer 2 a
+    dense MLP through ``mlp_only_layers``)."""
+    params = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+                  max_position_embeddings=4096, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if family == "llama":
+        params.update(rms_norm_eps=1e-5, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    elif family == "qwen3_moe":
+        params.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[2])
+    params.update(overrides)
+    return params
+
+
+def release_config(config: dict) -> dict:
+    """A config as transformers 5 saves it, rewritten as the published checkpoints declare theirs
+    (transformers 4's fields, what mlx-lm 0.32 reads): ``rope_theta`` and ``rope_scaling`` at the
+    top instead of ``rope_parameters``, Qwen3-MoE's ``num_experts`` instead of ``num_local_experts``."""
+    config = dict(config)
+    rope = dict(config.pop("rope_parameters"))
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
+    if "num_local_experts" in config:
+        config["num_experts"] = config.pop("num_local_experts")
+    return config
+
+
+def make_hf_family_target(path: Path, family: str, vocab_size: int = VOCAB, seed: int = 0, dtype: str = "float32",
+                          style: str = "release", **overrides) -> Path:
+    """A random ``Qwen3ForCausalLM``, ``LlamaForCausalLM`` or ``Qwen3MoeForCausalLM`` saved by
+    transformers (in ``dtype``; experts one tensor each, as Qwen3-MoE releases store them), with our
+    tiny tokenizer. ``style="release"``: its config.json as the published checkpoints write it
+    (``release_config``); ``"transformers5"``: as transformers 5 saves it."""
+    import torch
+    import transformers
+
+    classes = {"qwen3": ("Qwen3ForCausalLM", "Qwen3Config"), "llama": ("LlamaForCausalLM", "LlamaConfig"),
+               "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig")}
+    model_class, config_class = (getattr(transformers, name) for name in classes[family])
+    eos = tiny.write_tokenizer(path, vocab_size) if vocab_size >= 300 else None
+    torch.manual_seed(seed)
+    config = config_class(**family_params(family, vocab_size, eos_token_id=eos, **overrides))
+    model = spread_weights(model_class(config).float().eval(), stacked=True)
+    model.to(getattr(torch, dtype)).save_pretrained(str(path))
+    if style == "release":
+        config_file = path / "config.json"
+        config_file.write_text(json.dumps(release_config(json.loads(config_file.read_text())), indent=2))
+    else:
+        assert style == "transformers5", style
+    return path

@@ -144,8 +144,8 @@ def test_bad_checkpoints_are_clear_errors(hf_target_dir, tmp_path):
     with pytest.raises(CheckpointError, match="cannot read"):
         load_target(tmp_path)
     config = json.loads((hf_target_dir / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
-    with pytest.raises(CheckpointError, match="not a Qwen3.5"):
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "mamba"}))
+    with pytest.raises(CheckpointError, match="not a target this loads"):
         load_target(tmp_path)
 
 

@@ -1,20 +1,30 @@
-"""Layers the target and the draft share."""
+"""Layers the target and the draft share, and the pieces every target family is built from: the
+cached attention, the plain (attention-only) decoder layer, the sparse mixture-of-experts block,
+and ``TargetModel``, the interface the decode loop, the draft and the loaders use."""
+
+from __future__ import annotations
 
 import os
+import re
 import threading
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.switch_layers import SwitchGLU
+
+from .. import quantized
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward (Qwen3 and Qwen3.5 alike)."""
+    """SwiGLU feed-forward (Qwen3, Qwen3.5 and Llama alike; Llama may give it biases)."""
 
-    def __init__(self, dims: int, hidden_dims: int):
+    def __init__(self, dims: int, hidden_dims: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(dims, hidden_dims, bias=False)
-        self.up_proj = nn.Linear(dims, hidden_dims, bias=False)
-        self.down_proj = nn.Linear(hidden_dims, dims, bias=False)
+        self.gate_proj = nn.Linear(dims, hidden_dims, bias=bias)
+        self.up_proj = nn.Linear(dims, hidden_dims, bias=bias)
+        self.down_proj = nn.Linear(hidden_dims, dims, bias=bias)
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -127,3 +137,382 @@ def _cpu_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: f
         scores = mx.where(mask, per_group, mx.array(-float("inf"), scores.dtype)).reshape(B, n_kv, group * T, L)
     probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(scores.dtype)
     return (probs @ values).reshape(B, H, T, D)
+
+
+# ---- attention over a KV cache (every target family) -----------------------------------------------
+
+# The longest input a layer runs compiled: every decode and verify pass (blocks of up to 16).
+COMPILED_TOKENS = 16
+
+# Prefill attention off the GPU. MLX's CPU attention (mx.fast.scaled_dot_product_attention falls
+# back to plain operations there) materialises the scores (several [heads, queries, keys] arrays)
+# and computes the masked half of a chunk's causal square too. There a prefill chunk's queries go
+# in row blocks of at most SCORE_ELEMENTS / (heads x keys) rows (a multiple of SCORE_ROWS_ALIGN, at
+# least that), each against the keys up to its last row, through ``attention``: the scores stay
+# bounded whatever the context, the masked work shrinks to a block's triangle, and each row is the
+# same numbers as MLX's (its products and softmax are its own). On a GPU MLX's fused attention
+# kernel has none of these costs: there a chunk runs whole through it, as in mlx-lm.
+SCORE_ELEMENTS = 1 << 20
+SCORE_ROWS_ALIGN = 8
+
+
+def attention_rows(heads: int, queries: int, keys: int) -> Optional[int]:
+    """Query rows per ``attention`` call for a pass of ``queries`` tokens over ``keys`` keys; None
+    where the pass runs whole through one call (decode and verify passes, a GPU)."""
+    if queries <= COMPILED_TOKENS or mx.default_device() != mx.cpu:
+        return None
+    rows = SCORE_ELEMENTS // (heads * keys) // SCORE_ROWS_ALIGN * SCORE_ROWS_ALIGN
+    return min(queries, max(rows, SCORE_ROWS_ALIGN))
+
+
+def cached_attention(queries: mx.array, keys: mx.array, values: mx.array, cache, scale: float) -> mx.array:
+    """Causal attention of rotated ``queries`` [B, H, T, D] over ``cache`` (mlx-lm's ``KVCache``;
+    None: no cache) extended by the pass's ``keys`` and ``values`` [B, Hkv, T, D]. A batch of
+    several sequences' caches (``cache.KVBatch``: ``members``) runs each row over its own cache, as
+    alone; a prefill chunk on the CPU goes in row blocks (``attention_rows``)."""
+    members = getattr(cache, "members", None)
+    if members is not None:  # a batch (cache.KVBatch): each row over its own cache, as alone
+        streams, heads = side_streams(), []
+        for i, c in enumerate(members):
+            with mx.stream(streams[i % len(streams)]):
+                heads.append(cached_attention(queries[i : i + 1], keys[i : i + 1], values[i : i + 1], c, scale))
+        return mx.concatenate(heads)
+    if cache is not None:
+        keys, values = cache.update_and_fetch(keys, values)
+    T, L = queries.shape[2], keys.shape[2]
+    rows = attention_rows(queries.shape[1], T, L)
+    if rows is None:
+        return attention(queries, keys, values, scale, "causal" if T > 1 else None)
+    # Row blocks, each over the keys up to its last row, each made to wait for the one before:
+    # left independent, MLX runs them side by side with every block's scores alive at once.
+    # (An mx.eval per block bounds memory as well but measured 20% slower over a prefill.)
+    past, heads = L - T, []
+    for s in range(0, T, rows):
+        end = past + min(s + rows, T)
+        q = queries[:, :, s : s + rows]
+        if heads:
+            q = mx.depends(q, heads[-1])
+        heads.append(attention(q, keys[:, :, :end], values[:, :, :end], scale, "causal"))
+    return heads[0] if len(heads) == 1 else mx.concatenate(heads, axis=2)
+
+
+def make_rope(head_dim: int, theta: float, scaling: Optional[dict] = None,
+              max_position_embeddings: Optional[int] = None) -> nn.Module:
+    """RoPE over whole heads (not interleaved) with a config's scaling (``rope_type`` ``default``,
+    ``linear``, ``llama3``, ``yarn``...: mlx-lm's ``initialize_rope``, as the draft's)."""
+    from mlx_lm.models.rope_utils import initialize_rope
+
+    if scaling and scaling.get("rope_type", scaling.get("type", "default")) in ("default", None):
+        scaling = None
+    return initialize_rope(head_dim, base=theta, traditional=False, scaling_config=scaling,
+                           max_position_embeddings=max_position_embeddings)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with RoPE (Llama), with per-head ``q_norm``/``k_norm`` RMSNorms
+    before RoPE where ``qk_norm_eps`` is given (Qwen3).
+
+    Called by its decoder layer as ``project`` and ``output`` (compiled) around ``attend`` (the KV
+    cache, whose key count grows every step)."""
+
+    def __init__(self, hidden_size: int, n_heads: int, n_kv_heads: int, head_dim: int, rope: nn.Module,
+                 bias: bool = False, qk_norm_eps: Optional[float] = None):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.q_proj = nn.Linear(hidden_size, n_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, n_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, n_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(n_heads * head_dim, hidden_size, bias=bias)
+        if qk_norm_eps is not None:
+            self.q_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
+            self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
+        self.rope = rope
+
+    def project(self, x: mx.array, offset) -> Tuple[mx.array, mx.array, mx.array]:
+        """Rotated queries, keys and values [B, heads, T, D]."""
+        B, T, _ = x.shape
+        queries = self.q_proj(x).reshape(B, T, self.n_heads, -1)
+        keys = self.k_proj(x).reshape(B, T, self.n_kv_heads, -1)
+        values = self.v_proj(x).reshape(B, T, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        if "q_norm" in self:
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
+        queries, keys = queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)
+        return self.rope(queries, offset=offset), self.rope(keys, offset=offset), values
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, cache) -> mx.array:
+        return cached_attention(queries, keys, values, cache, self.scale)
+
+    def output(self, heads: mx.array) -> mx.array:
+        B, _, T, _ = heads.shape
+        return self.o_proj(heads.transpose(0, 2, 1, 3).reshape(B, T, -1))
+
+
+class DecoderLayer(nn.Module):
+    """A pre-norm transformer layer: RMSNorm -> attention -> residual -> RMSNorm -> ``mlp`` (SwiGLU
+    or a mixture of experts) -> residual. Compiled on either side of the attention for decode and
+    verify lengths (up to ``COMPILED_TOKENS``), as Qwen3.5's attention layers are; a prefill chunk
+    and a layer that may run the Metal verify kernel (``eager``) run the plain functions."""
+
+    is_linear = False  # no Gated DeltaNet: its cache is a KV cache, its rollback a trim
+
+    def __init__(self, attention: Attention, mlp: nn.Module, hidden_size: int, eps: float):
+        super().__init__()
+        self.self_attn = attention
+        self.mlp = mlp
+        self.input_layernorm = nn.RMSNorm(hidden_size, eps=eps)
+        self.post_attention_layernorm = nn.RMSNorm(hidden_size, eps=eps)
+        # Compiled forms per mode (a dict set the plain way would become a child of the module tree).
+        object.__setattr__(self, "_compiled", {})
+        self.eager = False  # set by quantized.route_layers
+        self.resolve_mode()
+
+    def resolve_mode(self) -> None:
+        """``metal`` where a quantized matmul may run the Metal kernel (nothing compiled), else
+        ``attention`` (compiled)."""
+        self.mode = "metal" if self.eager else "attention"
+
+    def __call__(self, x: mx.array, cache=None, record_tape: bool = False) -> mx.array:
+        # record_tape: nothing to record, a KV cache rolls back by trimming.
+        mode = self.mode if x.shape[1] <= COMPILED_TOKENS else "metal"
+        before, after = self._pieces(mode)
+        queries, keys, values = before(x, mx.array(0) if cache is None else mx.array(cache.offset))
+        return after(x, self.self_attn.attend(queries, keys, values, cache))
+
+    def _pieces(self, mode: str):
+        if mode not in self._compiled:
+            pieces = (self._project, self._output)
+            self._compiled[mode] = pieces if mode == "metal" else tuple(mx.compile(f, inputs=self.state) for f in pieces)
+        return self._compiled[mode]
+
+    def _project(self, x, offset):
+        return self.self_attn.project(self.input_layernorm(x), offset)
+
+    def _output(self, x, heads):
+        h = x + self.self_attn.output(heads)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class TextModel(nn.Module):
+    """The embedding, the decoder layers and the final norm (``model.*`` in every checkpoint)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, layers: List[nn.Module], eps: float):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.layers = layers
+        self.norm = nn.RMSNorm(hidden_size, eps=eps)
+
+
+# ---- the target interface --------------------------------------------------------------------------
+
+
+class TargetModel(nn.Module):
+    """What the decode loop, the draft (``bind``), the prefill, the pipeline and the loaders use of a
+    target, whatever its family. A family's ``Model`` sets ``args`` (its ``ModelArgs``: at least
+    ``hidden_size``, ``num_hidden_layers``, ``vocab_size``, ``tie_word_embeddings``,
+    ``layer_types``), ``model`` (``embed_tokens``, ``layers``, ``norm``) and ``lm_head`` unless the
+    head is tied; it overrides ``make_cache`` where a layer keeps another state than a KV cache
+    (Qwen3.5's Gated DeltaNet)."""
+
+    args: object
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def head(self, h: mx.array) -> mx.array:
+        """The output projection alone (no final norm); the draft shares it."""
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    def forward(
+        self,
+        inputs: mx.array,
+        cache: Optional[list] = None,
+        taps: Sequence[int] = (),
+        record_tape: bool = False,
+        last_only: bool = False,
+    ) -> Tuple[mx.array, Optional[mx.array]]:
+        """Logits and, when ``taps`` is given, those layers' outputs concatenated on features.
+
+        ``record_tape`` makes every Gated DeltaNet cache keep what ``cache.rollback`` needs (KV
+        caches need nothing: they are trimmed).
+        ``last_only``: logits of the last position alone (``[B, 1, V]``), as a prefill chunk needs
+        them: the vocabulary head over every prompt position is about a tenth of a 9B prefill.
+        """
+        h, tapped = self.run_layers(self.model.embed_tokens(inputs), cache, taps, record_tape)
+        hidden = mx.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
+        return self.logits(h, last_only), hidden
+
+    def logits(self, h: mx.array, last_only: bool = False) -> mx.array:
+        """The final norm and the head on the last layer's output (its last position alone with
+        ``last_only``; a pipeline's last stage calls this too)."""
+        return self.head(self.model.norm(h[:, -1:] if last_only else h))
+
+    def run_layers(self, h: mx.array, cache: Optional[list], taps: Sequence[int] = (),
+                   record_tape: bool = False) -> Tuple[mx.array, Dict[int, mx.array]]:
+        """The decoder layers on hidden states; also the outputs of the ``taps`` layers by index
+        (a pipeline stage runs only this, on the layers it holds)."""
+        cache = cache if cache is not None else [None] * len(self.layers)
+        tapped = {}
+        for i, (layer, c) in enumerate(zip(self.layers, cache)):
+            h = layer(h, c, record_tape)
+            submit_layer(h)
+            if i in taps:
+                tapped[i] = h
+        return h, tapped
+
+    def __call__(self, inputs: mx.array, cache: Optional[list] = None) -> mx.array:
+        return self.forward(inputs, cache)[0]
+
+    def make_cache(self) -> list:
+        """One mlx-lm ``KVCache`` per layer (rolled back by ``trim``)."""
+        return [KVCache() for _ in self.layers]
+
+    def use_recurrence(self, recurrence) -> "TargetModel":
+        """Run every Gated DeltaNet layer through ``recurrence`` (a target without one: nothing)."""
+        for layer in self.layers:
+            layer.resolve_mode()
+        return self
+
+    def use_quantized_matmuls(self, matmuls: Optional[quantized.QuantizedMatmuls]) -> "TargetModel":
+        """Route every quantized layer through ``matmuls`` (the verify kernel on Metal); the layers
+        that may then run the kernel are no longer compiled."""
+        quantized.route_layers(self, self.layers, matmuls)
+        for layer in self.layers:
+            layer.resolve_mode()
+        return self
+
+    def experts_in_float32(self) -> "TargetModel":
+        """Unquantized experts in float32 (MLX's CPU gather_mm has no other dtype); a target
+        without experts: nothing."""
+        for layer in self.layers:
+            if isinstance(getattr(layer, "mlp", None), SparseMoe):
+                layer.mlp.experts_in_float32()
+        return self
+
+
+def drop_unused(weights: Dict[str, mx.array], tie_word_embeddings: bool) -> Dict[str, mx.array]:
+    """A checkpoint's weights less what no module holds: precomputed RoPE tables (``rotary_emb``),
+    and the head when it is the embedding."""
+    out = {k: v for k, v in weights.items() if "rotary_emb." not in k}
+    if tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+# ---- mixtures of experts ---------------------------------------------------------------------------
+
+ROW_INDEPENDENT_ROWS = quantized.MAX_ROWS  # verify blocks; prefill chunks route in one call
+
+
+class SparseMoe(nn.Module):
+    """A sparse mixture of SwiGLU experts: a router ``gate`` ``Linear(H, E)`` with a float32
+    softmax, the top k of it (renormalized with ``norm_topk_prob``), the experts stacked as
+    mlx-lm's ``SwitchGLU`` (the T tokens of a verify pass go through the experts in one batched
+    gather). Qwen3-MoE's block as it is; Qwen3.5-MoE's adds a shared expert.
+
+    Exactness under verification: a token's experts must not depend on how many tokens are
+    verified with it. The router is the one place where a near-tie between two experts turns
+    rounding into a different computation, so up to ``ROW_INDEPENDENT_ROWS`` tokens are routed one
+    token at a time (each exactly as a decode step computes it) or, for a quantized router on
+    Metal, through the verify-matmul kernel, whose rows do not depend on each other."""
+
+    def __init__(self, hidden_size: int, expert_size: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok {top_k} must be in 1..num_experts ({num_experts})")
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.switch_mlp = SwitchGLU(hidden_size, expert_size, num_experts)
+        # MLX's CPU gather_mm computes only in float32: unquantized experts are cast once at load
+        # there (``experts_in_float32``), and their inputs with each call. A plain attribute.
+        self.float32_experts = False
+
+    def router_logits(self, x: mx.array) -> mx.array:
+        """[..., E] logits, each token's computed exactly as a one-token call computes it."""
+        rows = x.size // x.shape[-1]
+        if rows > ROW_INDEPENDENT_ROWS:
+            return self.gate(x)
+        logits = quantized.kernel_rows(self.gate, x)  # a quantized router on Metal: one call, rows independent
+        if logits is not None:
+            return logits
+        if rows == 1:
+            return self.gate(x)
+        flat = x.reshape(rows, 1, x.shape[-1])
+        return mx.concatenate([self.gate(flat[i]) for i in range(rows)], axis=0).reshape(*x.shape[:-1], -1)
+
+    def route(self, x: mx.array):
+        """(expert indices [..., k], their weights in float32, renormalized with ``norm_topk_prob``)."""
+        probs = mx.softmax(self.router_logits(x).astype(mx.float32), axis=-1)
+        indices = mx.argpartition(probs, kth=-self.top_k, axis=-1)[..., -self.top_k:]
+        weights = mx.take_along_axis(probs, indices, axis=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        return indices, weights
+
+    def experts(self, x: mx.array) -> mx.array:
+        """The routed experts' outputs, weighted and summed, in ``x``'s dtype."""
+        indices, weights = self.route(x)
+        experts_in = x.astype(mx.float32) if self.float32_experts else x
+        y = self.switch_mlp(experts_in, indices)
+        return (y * weights[..., None].astype(y.dtype)).sum(axis=-2).astype(x.dtype)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.experts(x)
+
+    def experts_in_float32(self) -> None:
+        """Unquantized experts in float32 (quantized ones run gather_qmm, in any dtype)."""
+        if "scales" in self.switch_mlp.gate_proj:
+            return
+        self.switch_mlp.set_dtype(mx.float32)
+        self.float32_experts = True
+
+
+_FUSED = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_STACKED = re.compile(r"^(model\.layers\.\d+\.mlp)\.switch_mlp\.")
+
+
+def stack_experts(weights: Dict[str, mx.array], num_experts: int) -> Dict[str, mx.array]:
+    """Every published expert layout (keys already under ``model.layers.N.mlp``) -> stacked
+    ``switch_mlp`` experts: HF's fused ``experts.gate_up_proj`` [E, 2I, H] (gate half first) and
+    ``experts.down_proj`` [E, H, I]; one tensor per expert (``experts.{e}.{gate,up,down}_proj.weight``:
+    Qwen3-MoE's releases, FP8/NVFP4 releases, fine-tunes, transformers 5's own save); MLX's stacked
+    ``switch_mlp`` (kept). Other keys pass as they are."""
+    layouts: Dict[str, List[str]] = {}
+    per_expert: Dict[str, Dict[str, Dict[int, mx.array]]] = {}
+    out = {}
+    for key, value in weights.items():
+        if m := _FUSED.match(key):
+            layouts.setdefault("fused (experts.gate_up_proj)", []).append(m.group(1))
+            if m.group(2) == "gate_up_proj":
+                half = value.shape[-2] // 2
+                out[f"{m.group(1)}.switch_mlp.gate_proj.weight"] = value[..., :half, :]
+                out[f"{m.group(1)}.switch_mlp.up_proj.weight"] = value[..., half:, :]
+            else:
+                out[f"{m.group(1)}.switch_mlp.down_proj.weight"] = value
+        elif m := _PER_EXPERT.match(key):
+            layouts.setdefault("one tensor per expert (experts.N.*_proj)", []).append(m.group(1))
+            per_expert.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = value
+        else:
+            if m := _STACKED.match(key):
+                layouts.setdefault("stacked (switch_mlp)", []).append(m.group(1))
+            out[key] = value
+    if len(layouts) > 1:
+        found = "; ".join(f"{name} in {sorted(set(where))[0]}..." for name, where in layouts.items())
+        raise ValueError(f"the checkpoint mixes expert layouts ({found}): convert it with one layout")
+    E = num_experts
+    for prefix, projections in per_expert.items():
+        for name, experts in projections.items():
+            if sorted(experts) != list(range(E)):
+                missing = sorted(set(range(E)) - set(experts))[:5]
+                raise ValueError(f"{prefix}.experts: {name} missing for experts {missing} (of {E})")
+            out[f"{prefix}.switch_mlp.{name}.weight"] = mx.stack([experts[e] for e in range(E)])
+    return out

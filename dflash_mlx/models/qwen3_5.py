@@ -8,42 +8,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from .. import kernels, quantized
+from .. import kernels
 from ..cache import GatedDeltaCache, GatedDeltaTape
 from ..checkpoint_files import text_part
-from .layers import MLP, attention, side_streams, submit_layer
+from .layers import MLP, TargetModel, cached_attention
+# Where they were first defined; kept importable from here (doctor, tests).
+from .layers import COMPILED_TOKENS, SCORE_ELEMENTS, SCORE_ROWS_ALIGN, attention_rows  # noqa: F401
 
 # Gated DeltaNet output gates that are Qwen3.5's silu (``None``: the field is absent).
 SILU_GATES = (None, "silu", "swish")
-
-# The longest input a layer runs compiled: every decode and verify pass (blocks of up to 16).
-COMPILED_TOKENS = 16
-
-# Prefill attention off the GPU. MLX's CPU attention (mx.fast.scaled_dot_product_attention falls
-# back to plain operations there) materialises the scores (several [heads, queries, keys] arrays)
-# and computes the masked half of a chunk's causal square too. There a prefill chunk's queries go
-# in row blocks of at most SCORE_ELEMENTS / (heads x keys) rows (a multiple of SCORE_ROWS_ALIGN, at
-# least that), each against the keys up to its last row, through ``layers.attention``: the scores
-# stay bounded whatever the context, the masked work shrinks to a block's triangle, and each row is
-# the same numbers as MLX's (its products and softmax are its own). On a GPU MLX's fused attention
-# kernel has none of these costs: there a chunk runs whole through it, as in mlx-lm.
-SCORE_ELEMENTS = 1 << 20
-SCORE_ROWS_ALIGN = 8
-
-
-def attention_rows(heads: int, queries: int, keys: int) -> Optional[int]:
-    """Query rows per ``attention`` call for a pass of ``queries`` tokens over ``keys`` keys; None
-    where the pass runs whole through one call (decode and verify passes, a GPU)."""
-    if queries <= COMPILED_TOKENS or mx.default_device() != mx.cpu:
-        return None
-    rows = SCORE_ELEMENTS // (heads * keys) // SCORE_ROWS_ALIGN * SCORE_ROWS_ALIGN
-    return min(queries, max(rows, SCORE_ROWS_ALIGN))
 
 
 @dataclass
@@ -256,30 +235,7 @@ class Attention(nn.Module):
         return self.rope(queries, offset=offset), self.rope(keys, offset=offset), values, gate
 
     def attend(self, queries, keys, values, cache: Optional[KVCache]) -> mx.array:
-        members = getattr(cache, "members", None)
-        if members is not None:  # a batch (cache.KVBatch): each row over its own cache, as alone
-            streams, heads = side_streams(), []
-            for i, c in enumerate(members):
-                with mx.stream(streams[i % len(streams)]):
-                    heads.append(self.attend(queries[i : i + 1], keys[i : i + 1], values[i : i + 1], c))
-            return mx.concatenate(heads)
-        if cache is not None:
-            keys, values = cache.update_and_fetch(keys, values)
-        T, L = queries.shape[2], keys.shape[2]
-        rows = attention_rows(self.n_heads, T, L)
-        if rows is None:
-            return attention(queries, keys, values, self.scale, "causal" if T > 1 else None)
-        # Row blocks, each over the keys up to its last row, each made to wait for the one before:
-        # left independent, MLX runs them side by side with every block's scores alive at once.
-        # (An mx.eval per block bounds memory as well but measured 20% slower over a prefill.)
-        past, heads = L - T, []
-        for s in range(0, T, rows):
-            end = past + min(s + rows, T)
-            q = queries[:, :, s : s + rows]
-            if heads:
-                q = mx.depends(q, heads[-1])
-            heads.append(attention(q, keys[:, :, :end], values[:, :, :end], self.scale, "causal"))
-        return heads[0] if len(heads) == 1 else mx.concatenate(heads, axis=2)
+        return cached_attention(queries, keys, values, cache, self.scale)
 
     def output(self, heads, gate):
         B, _, T, _ = heads.shape
@@ -386,7 +342,10 @@ class Qwen3_5TextModel(nn.Module):
         self.norm = ZeroCentredRMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
-class Model(nn.Module):
+class Model(TargetModel):
+    """The Qwen3.5 target; ``layers.TargetModel`` gives it the interface every target shares
+    (forward with taps, the head, ``run_layers``...)."""
+
     def __init__(self, args: ModelArgs, feed_forward: Callable[[ModelArgs], nn.Module] = dense_mlp):
         super().__init__()
         self.args = args
@@ -394,59 +353,6 @@ class Model(nn.Module):
         self.model = Qwen3_5TextModel(args, feed_forward)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    @property
-    def layers(self):
-        return self.model.layers
-
-    @property
-    def embed_tokens(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    def head(self, h: mx.array) -> mx.array:
-        """The output projection alone (no final norm); the draft shares it."""
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
-
-    def forward(
-        self,
-        inputs: mx.array,
-        cache: Optional[list] = None,
-        taps: Sequence[int] = (),
-        record_tape: bool = False,
-        last_only: bool = False,
-    ) -> Tuple[mx.array, Optional[mx.array]]:
-        """Logits and, when ``taps`` is given, those layers' outputs concatenated on features.
-
-        ``record_tape`` makes every Gated DeltaNet cache keep what ``cache.rollback`` needs.
-        ``last_only``: logits of the last position alone (``[B, 1, V]``), as a prefill chunk needs
-        them: the vocabulary head over every prompt position is about a tenth of a 9B prefill.
-        """
-        h, tapped = self.run_layers(self.model.embed_tokens(inputs), cache, taps, record_tape)
-        hidden = mx.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
-        return self.logits(h, last_only), hidden
-
-    def logits(self, h: mx.array, last_only: bool = False) -> mx.array:
-        """The final norm and the head on the last layer's output (its last position alone with
-        ``last_only``; a pipeline's last stage calls this too)."""
-        return self.head(self.model.norm(h[:, -1:] if last_only else h))
-
-    def run_layers(self, h: mx.array, cache: Optional[list], taps: Sequence[int] = (),
-                   record_tape: bool = False) -> Tuple[mx.array, Dict[int, mx.array]]:
-        """The decoder layers on hidden states; also the outputs of the ``taps`` layers by index
-        (a pipeline stage runs only this, on the layers it holds)."""
-        cache = cache if cache is not None else [None] * len(self.layers)
-        tapped = {}
-        for i, (layer, c) in enumerate(zip(self.layers, cache)):
-            h = layer(h, c, record_tape)
-            submit_layer(h)
-            if i in taps:
-                tapped[i] = h
-        return h, tapped
-
-    def __call__(self, inputs: mx.array, cache: Optional[list] = None) -> mx.array:
-        return self.forward(inputs, cache)[0]
 
     def make_cache(self) -> list:
         return [GatedDeltaCache(l.linear_attn.recurrence) if l.is_linear else KVCache() for l in self.layers]
@@ -456,14 +362,6 @@ class Model(nn.Module):
         for layer in self.layers:
             if layer.is_linear:
                 layer.linear_attn.recurrence = recurrence
-            layer.resolve_mode()
-        return self
-
-    def use_quantized_matmuls(self, matmuls: Optional[quantized.QuantizedMatmuls]) -> "Model":
-        """Route every quantized layer through ``matmuls`` (the verify kernel on Metal); the layers
-        that may then run the kernel are no longer compiled."""
-        quantized.route_layers(self, self.layers, matmuls)
-        for layer in self.layers:
             layer.resolve_mode()
         return self
 
