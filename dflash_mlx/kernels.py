@@ -152,9 +152,66 @@ class Launch:
     output_dtypes: tuple
     threadgroup: tuple = THREADGROUP
 
-    @property
+    @functools.cached_property  # computed once per launch (a launch run again, as the tuner does, pays nothing)
     def signature(self) -> Tuple[Tuple[str, str], ...]:
         return input_signature(self.inputs)
+
+    @functools.cached_property
+    def kernel_id(self) -> str:
+        """The name its kernel is built under (``kernel_name``: the name and the signature)."""
+        return kernel_name(self.name, self.signature)
+
+    def call(self, kernel: Callable) -> List[mx.array]:
+        """``kernel`` (built by ``metal_kernel``) called with this launch's arguments."""
+        return kernel(inputs=list(self.inputs), template=list(self.template), grid=self.grid,
+                      threadgroup=self.threadgroup, output_shapes=list(self.output_shapes),
+                      output_dtypes=list(self.output_dtypes))
+
+
+class LaunchPlan:
+    """What every call of one kernel specialization from one call site has in common, decided once
+    from a first ``Launch`` of it: the name, template, grid, threadgroup, output shapes and dtypes,
+    the signature and so the kernel it is built under. ``launch(inputs)`` is then a call with new
+    inputs of the same dtypes, address spaces and scalar values where they matter (the caller keeps
+    that promise: ``quantized`` keys its plans by activation dtype and shape), at the cost of one
+    small object instead of a ``Launch`` and its signature per call."""
+
+    __slots__ = ("name", "template", "grid", "threadgroup", "output_shapes", "output_dtypes", "signature", "kernel_id",
+                 "_arguments")
+
+    def __init__(self, launch: Launch, output_shapes: Optional[tuple] = None):
+        """``output_shapes``: the calls' own where they differ from the first launch's (more
+        leading axes over the same elements)."""
+        self.name, self.template = launch.name, launch.template
+        self.grid, self.threadgroup = launch.grid, launch.threadgroup
+        self.output_shapes, self.output_dtypes = output_shapes or launch.output_shapes, launch.output_dtypes
+        self.signature, self.kernel_id = launch.signature, launch.kernel_id
+        self._arguments = dict(template=list(launch.template), grid=launch.grid, threadgroup=launch.threadgroup,
+                               output_shapes=list(self.output_shapes), output_dtypes=list(launch.output_dtypes))
+
+    def launch(self, inputs: tuple) -> "PlannedLaunch":
+        return PlannedLaunch(self, inputs)
+
+
+class PlannedLaunch:
+    """One call of a ``LaunchPlan``: reads like a ``Launch`` (``MetalKernels.run`` takes either)."""
+
+    __slots__ = ("plan", "inputs")
+
+    def __init__(self, plan: LaunchPlan, inputs: tuple):
+        self.plan, self.inputs = plan, inputs
+
+    name = property(lambda self: self.plan.name)
+    template = property(lambda self: self.plan.template)
+    grid = property(lambda self: self.plan.grid)
+    threadgroup = property(lambda self: self.plan.threadgroup)
+    output_shapes = property(lambda self: self.plan.output_shapes)
+    output_dtypes = property(lambda self: self.plan.output_dtypes)
+    signature = property(lambda self: self.plan.signature)
+    kernel_id = property(lambda self: self.plan.kernel_id)
+
+    def call(self, kernel: Callable) -> List[mx.array]:
+        return kernel(inputs=list(self.inputs), **self.plan._arguments)
 
 
 def _template(k: mx.array, v: mx.array) -> tuple:
@@ -266,20 +323,24 @@ class MetalKernels:
         self._built: Dict[str, Any] = {}
         self._warned: set = set()
         self.checks: Dict[tuple, Optional[str]] = {}  # (name, template, signature) -> None (passed) or the failure
+        # How many checks have failed so far: a decision that rested on the checks (quantized's
+        # per-layer plans) is taken again when this moves, and only then.
+        self.failures = 0
+        self.builds = 0  # kernel objects built (``metal_kernel`` calls)
 
     def run(self, launch: Launch) -> List[mx.array]:
-        name = kernel_name(launch.name, launch.signature)
-        if name not in self._built:
-            input_names, output_names = KERNEL_IO[launch.name]
-            self._built[name] = self._metal_kernel(
-                name=name, input_names=list(input_names), output_names=list(output_names),
-                source=kernel_source(launch.name),
-            )
-        return self._built[name](
-            inputs=list(launch.inputs), template=list(launch.template), grid=launch.grid,
-            threadgroup=launch.threadgroup, output_shapes=list(launch.output_shapes),
-            output_dtypes=list(launch.output_dtypes),
-        )
+        """``launch`` (a ``Launch`` or a ``PlannedLaunch``) through its kernel, built on first use."""
+        kernel = self._built.get(launch.kernel_id)
+        if kernel is None:
+            kernel = self._built[launch.kernel_id] = self.build(launch)
+        return launch.call(kernel)
+
+    def build(self, launch: Launch) -> Callable:
+        """The ``metal_kernel`` object for ``launch``'s kernel and signature (``run`` keeps it)."""
+        input_names, output_names = KERNEL_IO[launch.name]
+        self.builds += 1
+        return self._metal_kernel(name=launch.kernel_id, input_names=list(input_names),
+                                  output_names=list(output_names), source=kernel_source(launch.name))
 
     def usable(self, launch: Launch, check: Optional[Callable[["MetalKernels", Launch], Optional[str]]] = None) -> bool:
         """Whether ``launch``'s kernel may run for its specialization and signature, self-checked
@@ -288,6 +349,8 @@ class MetalKernels:
         key = (launch.name, launch.template, launch.signature)
         if key not in self.checks:
             self.checks[key] = self._guarded(check or _check_recurrence, launch) if self._self_check else None
+            if self.checks[key] is not None:
+                self.failures += 1
             if self.checks[key] is not None and launch.name not in self._warned:
                 self._warned.add(launch.name)
                 warnings.warn(

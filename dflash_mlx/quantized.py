@@ -191,17 +191,109 @@ def form_usable(metal: kernels.MetalKernels, dtype: mx.Dtype, w: mx.array, scale
                                                     mode, impl=impl), _check_quantized) for rows in BUCKETS[impl])
 
 
+class _Choices(dict):
+    """``QuantizedMatmuls.choices``: a dict that tells its owner when it changes, so that the
+    decisions made from it (``QuantizedMatmuls.plan``) are made again."""
+
+    def __init__(self, entries, changed: Callable[[], None]):
+        super().__init__(entries)
+        self._changed = changed
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self._changed()
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        self._changed()
+
+    def __ior__(self, other):
+        super().__ior__(other)
+        self._changed()
+        return self
+
+    def update(self, *args, **kwargs):
+        super().update(*args, **kwargs)
+        self._changed()
+
+    def setdefault(self, key, default=None):
+        value = super().setdefault(key, default)
+        self._changed()
+        return value
+
+    def pop(self, *args):
+        value = super().pop(*args)
+        self._changed()
+        return value
+
+    def popitem(self):
+        item = super().popitem()
+        self._changed()
+        return item
+
+    def clear(self):
+        super().clear()
+        self._changed()
+
+
+class MatmulPlan:
+    """What every call of one routed layer with activations of one dtype and shape needs, decided
+    once (``QuantizedMatmuls.plan``): the implementation (``impl``: the per-row kernel, the tile, or
+    None for stock), the kernel's launch less x (``launch``: template, grid, output shape,
+    signature and so the kernel object, ``kernels.LaunchPlan``), the biases input where the layer
+    has none. It stays valid while its ``QuantizedMatmuls`` keeps the same choices and no
+    self-check has failed since: a failure anywhere can make the specialization
+    untrusted (``MetalKernels.usable``), so every plan is then decided again on its next call
+    (``_Routed._through_kernel`` compares ``owner``, ``version`` and ``failures``).
+
+    The kernels index x and y as ``rows`` rows of K and N elements, so x keeps its leading axes
+    ([B, T, K] as the models pass it, row-contiguous as ``metal_kernel`` makes its inputs) and y
+    is declared [B, T, N]: no reshape on either side."""
+
+    __slots__ = ("impl", "launch", "K", "N", "rows", "placeholder", "owner", "version", "failures")
+
+    def __init__(self, impl, launch, K, N, rows, placeholder, owner, version, failures):
+        self.impl, self.launch, self.K, self.N, self.rows, self.placeholder = impl, launch, K, N, rows, placeholder
+        self.owner, self.version, self.failures = owner, version, failures
+
+    def run(self, metal: kernels.MetalKernels, x: mx.array, w, scales, biases) -> mx.array:
+        """``x @ dequant(w).T`` through the planned kernel (``impl`` not None): x of the plan's
+        dtype and shape, w, scales and biases the arrays the plan was made for or arrays of the same
+        shapes and dtypes."""
+        inputs = (x, w, scales, self.placeholder if biases is None else biases, self.rows, self.K, self.N)
+        return metal.run(self.launch.launch(inputs))[0]
+
+
 class QuantizedMatmuls:
     """Which implementation each quantized layer shape uses in this process, for every row count
     1..16 alike: ``kernel`` (per-row) or ``tile`` where the tuner chose it (``Timing.choice``; or
     ``choices`` say so), stock everywhere else (shapes and modes the kernels have no form for,
     forms that failed a self-check). Calls of more than 16 rows (prefill chunks) run stock
     whatever the choice.
+
+    What a call needs is decided once per layer, activation dtype and input shape (``plan``, kept by
+    the routed layer) and decided again only when ``choices`` change or a self-check fails: a routed
+    call then costs a dictionary look-up and one kernel call of Python (``examples/
+    routed_matmul_cost.py``), not the checks, the launches and the signatures every time.
     """
 
     def __init__(self, metal: kernels.MetalKernels, choices: Optional[Dict[MatmulShape, str]] = None):
         self.metal = metal
-        self.choices: Dict[MatmulShape, str] = dict(choices or {})
+        self.version = 0  # moves with every change of ``choices``
+        self.plans = 0  # how many plans were made (decisions taken): the tests count them
+        self.choices = dict(choices or {})
+
+    @property
+    def choices(self) -> Dict[MatmulShape, str]:
+        return self._choices
+
+    @choices.setter
+    def choices(self, choices: Dict[MatmulShape, str]) -> None:
+        self._choices = _Choices(choices, self._changed)
+        self._changed()
+
+    def _changed(self) -> None:
+        self.version += 1
 
     @classmethod
     def for_this_process(cls) -> Optional["QuantizedMatmuls"]:
@@ -216,39 +308,87 @@ class QuantizedMatmuls:
     def chosen(self, shape: MatmulShape) -> bool:
         return self.choices.get(shape) in KERNEL_OF
 
+    def plan(self, dtype: mx.Dtype, shape: tuple, w, scales, biases, group_size: int, bits: int, mode: str,
+             always: bool = False) -> MatmulPlan:
+        """The decision for calls with ``dtype`` activations of ``shape`` [.., K] against these
+        arrays: the implementation the choices give the layer's shape (``always``: a kernel whatever
+        the tuner measured, the per-row one unless the tile was chosen), stock where it has no form
+        or has not passed its self-checks at every row count (``form_usable``, which runs them on
+        first use), and the kernel's launch."""
+        self.plans += 1
+        K, N = shape[-1], w.shape[0]
+        rows = math.prod(shape[:-1])
+        impl = None
+        if 1 <= rows <= MAX_ROWS and kernel_supports(bits, group_size, mode):
+            choice = self.choices.get(MatmulShape(K, N, bits, group_size, mode, dtype_name(dtype)))
+            impl = choice if choice in KERNEL_OF else OURS if always else None
+            if impl is not None and not form_usable(self.metal, dtype, w, scales, biases, group_size, bits, mode, impl):
+                impl = None
+        launch, placeholder = None, None
+        if impl is not None:
+            first = quantized_verify_launch(mx.zeros((rows, K), dtype=dtype), w, scales, biases, group_size, bits, mode,
+                                            impl=impl)
+            launch = kernels.LaunchPlan(first, output_shapes=((*shape[:-1], N),))
+            placeholder = first.inputs[3] if biases is None else None
+        # The stamp is read last: a check that failed while deciding is already in it.
+        return MatmulPlan(impl, launch, K, N, rows, placeholder, self, self.version, self.metal.failures)
+
     def matmul(self, x: mx.array, w, scales, biases, group_size: int, bits: int, mode: str,
                always: bool = False) -> Optional[mx.array]:
         """``x @ dequant(w).T`` through the layer's kernel, or None where stock should run
         (``always``: a kernel whatever the tuner measured, the per-row one unless the tile was
-        chosen, wherever it has a form and passed its self-checks)."""
+        chosen, wherever it has a form and passed its self-checks). Decides afresh at every call:
+        the routed layers keep their decisions (``_Routed``)."""
         K = x.shape[-1]
         rows = x.size // K if K else 0
-        if not 1 <= rows <= MAX_ROWS or not kernel_supports(bits, group_size, mode):
+        if not 1 <= rows <= MAX_ROWS:
             return None
-        choice = self.choices.get(MatmulShape(K, w.shape[0], bits, group_size, mode, dtype_name(x.dtype)))
-        impl = choice if choice in KERNEL_OF else OURS if always else None
-        if impl is None or not form_usable(self.metal, x.dtype, w, scales, biases, group_size, bits, mode, impl):
-            return None
-        launch = quantized_verify_launch(x.reshape(rows, K), w, scales, biases, group_size, bits, mode, impl=impl)
-        return self.metal.run(launch)[0].reshape(*x.shape[:-1], w.shape[0])
+        plan = self.plan(x.dtype, x.shape, w, scales, biases, group_size, bits, mode, always)
+        return None if plan.launch is None else plan.run(self.metal, x, w, scales, biases)
 
 
 class _Routed:
     """What the routed layers share: MLX's quantized arrays adopted as they are, and a matmul
-    that asks ``matmuls`` before MLX's own."""
+    that asks ``matmuls`` before MLX's own, deciding once per activation dtype and input shape
+    (``QuantizedMatmuls.plan``; kept in ``_plans``, forgotten when an array of the layer is
+    replaced)."""
 
     def _adopt(self, layer: nn.Module, matmuls: Optional[QuantizedMatmuls]) -> None:
         nn.Module.__init__(self)  # MLX's __init__ would quantize random weights
         self.group_size, self.bits, self.mode = layer.group_size, layer.bits, layer.mode
+        object.__setattr__(self, "_plans", {})  # a plain attribute: nn.Module would take a dict for parameters
         dict.update(self, layer.items())  # the same arrays: weight, scales, biases, bias
         self.freeze()
         self.matmuls = matmuls  # not an array, list or dict: a plain attribute, not a parameter
 
+    def __setitem__(self, key, value):  # nn.Module.update, load_weights, set_dtype and setattr come here
+        dict.__setitem__(self, key, value)
+        self.__dict__.get("_plans", {}).clear()
+
+    def __delitem__(self, key):
+        dict.__delitem__(self, key)
+        self.__dict__.get("_plans", {}).clear()
+
     def _through_kernel(self, x: mx.array, always: bool = False) -> Optional[mx.array]:
-        if self.matmuls is None:
+        # Every routed matmul of a pass comes here: the plan's check and MatmulPlan.run written out
+        # inline (a Python call each is a fifth of what is left; examples/routed_matmul_cost.py).
+        matmuls = self.matmuls
+        if matmuls is None:
             return None
-        return self.matmuls.matmul(x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits,
-                                   self.mode, always=always)
+        key = (x.dtype, x.shape, always)
+        plan = self._plans.get(key)
+        if (plan is None or plan.owner is not matmuls or plan.version != matmuls.version
+                or plan.failures != matmuls.metal.failures):
+            shape = x.shape
+            if not 1 <= math.prod(shape[:-1]) <= MAX_ROWS:  # prefill chunks: stock, nothing to remember
+                return None
+            plan = self._plans[key] = matmuls.plan(x.dtype, shape, self["weight"], self["scales"], self.get("biases"),
+                                                   self.group_size, self.bits, self.mode, always)
+        if plan.launch is None:
+            return None
+        biases = self["biases"] if plan.placeholder is None else plan.placeholder
+        inputs = (x, self["weight"], self["scales"], biases, plan.rows, plan.K, plan.N)
+        return matmuls.metal.run(kernels.PlannedLaunch(plan.launch, inputs))[0]
 
 
 def kernel_rows(layer: nn.Module, x: mx.array) -> Optional[mx.array]:
@@ -408,12 +548,16 @@ def _arrays(layer: nn.Module):
     return layer["weight"], layer["scales"], layer.get("biases")
 
 
-def stock_rule(facts=None) -> Callable[[MatmulShape], Optional[str]]:
+def stock_rule(facts=None, mlx_version: Optional[str] = None) -> Callable[[MatmulShape], Optional[str]]:
     """``traffic.stock_one_kernel`` for a GPU (``device.facts()``, this one by default: its
     generation; an Ultra's architecture ends in ``d``), shape by shape; off Apple GPUs every shape
-    gets None."""
+    gets None, and so under an MLX (``mlx_version``, this one's by default) whose dispatch the
+    rules were not read from (``traffic.dispatch_rules_hold``): stock is then never taken for one
+    row-independent kernel."""
     from . import device
 
+    if not traffic.dispatch_rules_hold(mlx_version or mx.__version__):
+        return lambda s: None
     facts = facts or device.facts()
     ultra = facts.architecture.endswith("d")
     return lambda s: traffic.stock_one_kernel(s.K, s.N, s.bits, s.mode, facts.generation, ultra)

