@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-from .scripted import Call
+from .scripted import Call, Script, cached_pair
 
 CLIENTS = ("claude", "codex", "opencode")
 PACKAGES = {"claude": "@anthropic-ai/claude-code@2.1.332", "codex": "@openai/codex@0.171.0", "opencode": "opencode-ai@1.18.33"}
@@ -39,6 +39,20 @@ QUIET = {
     "opencode": {"OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_SHARE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1",
                  "OPENCODE_DISABLE_LSP_DOWNLOAD": "1", "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1"},
 }
+
+
+def scripted_script() -> Script:
+    """What the scripted pair (``--model scripted``) answers: fixed texts, and, asked to "run the
+    scripted tool", a call to the shell tool of whichever client asks (the first of
+    ``SCRIPTED_CALLS`` whose name the request's tools offer; Claude Code's where none does)."""
+    return Script(calls=[SCRIPTED_CALLS[client] for client in CLIENTS])
+
+
+def scripted_pair():
+    """The scripted pair's folders (target, draft), made under ``$DFLASH_MLX_HOME/scripted`` on first use."""
+    from .paths import home
+
+    return cached_pair(home() / "scripted", scripted_script())
 
 
 @dataclass
@@ -73,7 +87,7 @@ def launch(client: str, base_url: str, model: str, context: Optional[int], api_k
         if context:
             overrides.append(f"model_context_window={context}")
         env[KEY_VARIABLE] = key
-        return Launch([binary, *[a for o in overrides for a in ("-c", o)], *args], env)
+        return Launch([binary, *[a for o in overrides for a in ("-c", o)], *_codex_args(args)], env)
     limit = {"context": context, "output": min(32000, context)} if context else None
     config = {"$schema": "https://opencode.ai/config.json", "autoupdate": False, "share": "disabled",
               "model": f"{PROVIDER}/{model}",
@@ -82,6 +96,20 @@ def launch(client: str, base_url: str, model: str, context: Optional[int], api_k
                                       "models": {model: {"name": model, **({"limit": limit} if limit else {})}}}}}
     env["OPENCODE_CONFIG_CONTENT"] = json.dumps(config)
     return Launch([binary, *args], env)
+
+
+CODEX_EXEC = ("exec", "e")  # the non-interactive subcommand and its alias
+SKIP_GIT_CHECK = "--skip-git-repo-check"
+
+
+def _codex_args(args: Sequence[str]) -> List[str]:
+    """The client's arguments, with ``--skip-git-repo-check`` after ``exec`` (or ``e``) unless given:
+    ``codex exec`` refuses to run outside a Git repository without it, and an agent pointed at a
+    local server is often started in a scratch folder (the interactive client asks instead)."""
+    args = list(args)
+    if args and args[0] in CODEX_EXEC and SKIP_GIT_CHECK not in args:
+        args.insert(1, SKIP_GIT_CHECK)
+    return args
 
 
 def _toml_table(values: Dict[str, str]) -> str:

@@ -38,7 +38,7 @@ def main() -> None:
 
 
 # Model and decoding options shared by chat, generate and bench.
-Model = Annotated[Optional[str], typer.Option("--model", "-m", help="Target: local folder, Hugging Face repo id, or 'demo' (the tiny pair shipped in the package; works offline). Default: Qwopus3.5-9B-Coder, converted to MLX 4-bit on first use.")]
+Model = Annotated[Optional[str], typer.Option("--model", "-m", help="Target: local folder, Hugging Face repo id, 'demo' (the tiny pair shipped in the package; works offline) or 'scripted' (a tiny pair with fixed answers for trying coding agents against serve, made on first use). Default: Qwopus3.5-9B-Coder, converted to MLX 4-bit on first use.")]
 Draft = Annotated[Optional[str], typer.Option("--draft", "-d", help="DFlash draft folder or repo id. Default with the default model: z-lab's Qwen3.5-9B draft converted for Qwopus; with --model demo: the demo draft; with another --model: none (target alone).")]
 DraftQuant = Annotated[str, typer.Option("--draft-quant", help="Quantize the draft at load: w4, w8, w4:gs32 … or none.")]
 DraftWindow = Annotated[str, typer.Option("--draft-window", help="The draft's context: keep only the last N tokens' features in its cache (its attention and the prompt's prefill stop growing with the context), or 'all'. Default 'auto': the demo draft its training window (1024 tokens), any other draft all of its context.")]
@@ -62,14 +62,20 @@ def _load(model: Optional[str], draft: Optional[str], draft_quant: str, stages: 
     Under ``mlx.launch`` every rank loads its stage of the target (refused for a command that
     ``reads_keyboard``: mlx.launch forwards no standard input)."""
     from . import api
-    from .defaults import resolve
+    from .defaults import SCRIPTED, resolve
     from .loading import CheckpointError
 
     if peer_timeout <= 0:
         _fail(f"--peer-timeout must be positive (got {peer_timeout})")
     window = _draft_window(draft_window)
     try:
-        model, draft = resolve(model, draft)
+        if model == SCRIPTED:
+            from .agents import scripted_pair
+
+            target_dir, draft_dir = scripted_pair()
+            model, draft = str(target_dir), draft or str(draft_dir)
+        else:
+            model, draft = resolve(model, draft)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             loaded = api.load(model, draft=draft, draft_quant=draft_quant, stages=stages, peer_timeout=peer_timeout,
@@ -156,6 +162,10 @@ class LogLevel(str, Enum):
     ERROR = "ERROR"
     CRITICAL = "CRITICAL"
 
+
+# serve --max-tokens-default: server.engine.DEFAULT_ANSWER_TOKENS, repeated here so that --help
+# imports no server (tests/test_user_install.py checks that the two agree).
+DEFAULT_ANSWER_TOKENS = 32768
 
 SAMPLING_PRECEDENCE = ("A request's own value wins; then this flag; then the target's generation_config.json; "
                        "then greedy with no filters (mlx_lm.server's defaults).")
@@ -466,7 +476,7 @@ def served_name(model: Optional[str]) -> str:
 
     if model is None:
         return DEFAULT_TARGET
-    if model == defaults.DEMO:
+    if model in (defaults.DEMO, defaults.SCRIPTED):
         return model
     path = Path(model).expanduser()
     return path.name if path.exists() else model
@@ -482,8 +492,9 @@ def serve(
     host: Annotated[str, typer.Option("--host", help="Interface to listen on (loopback by default: only this machine).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="TCP port.")] = 8080,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="DFLASH_MLX_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 endpoints.")] = None,
-    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Cap on tokens generated per request, whatever the request asks. Default: none (each request's own max_tokens, up to the context; without one, the rest of the context).")] = None,
-    context_size: Annotated[Optional[int], typer.Option("--context-size", help="Context limit in tokens, prompt and answer together: a prompt that leaves no room for an answer is refused (400, with the numbers), answers stop where the context is full. Default: the longest context whose caches fit in this machine's memory (MLX's recommended working set on a Mac, physical memory elsewhere; doctor's estimate) beside the weights and --prompt-cache-gb, at most the target's max_position_embeddings.")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Cap on tokens generated per request, whatever the request asks. Default: none (each request's own max_tokens, up to the context; without one, --max-tokens-default).")] = None,
+    max_tokens_default: Annotated[int, typer.Option("--max-tokens-default", help="Tokens an answer may have when the request gives no max_tokens (Codex, Continue, llm and Aider send none; Claude Code and opencode ask 32,000), still within the context and --max-tokens: one answer caught in a repetition loop stops here instead of holding a slot until the context is full.")] = DEFAULT_ANSWER_TOKENS,
+    context_size: Annotated[Optional[int], typer.Option("--context-size", help="Context limit in tokens, prompt and answer together: a prompt that leaves no room for an answer is refused (400, with the numbers), answers stop where the context is full. Default: the longest context whose caches fit in this machine's memory (MLX's recommended working set on a Mac, physical memory elsewhere; doctor's estimate) beside the weights and --prompt-cache-gb, at most the target's max_position_embeddings; with --model demo, 65536 (its 4,096 cannot hold an agent's first request).")] = None,
     model_name: Annotated[Optional[str], typer.Option("--model-name", help="Model id clients ask for (default: the repo id, 'demo', or the target folder's name).")] = None,
     model_alias: Annotated[Optional[List[str]], typer.Option("--model-alias", help="Another model id to list in /v1/models and serve without a log line (repeatable). Any id a request names is served by the loaded model; ids that are neither this nor --model-name are logged once.")] = None,
     max_request_bytes: Annotated[int, typer.Option("--max-request-bytes", help="Reject request bodies larger than this.")] = 8 << 20,
@@ -510,8 +521,14 @@ def serve(
         _fail(f"--prompt-cache-gb must not be negative (got {prompt_cache_gb})")
     if max_tokens is not None and max_tokens < 1:
         _fail(f"--max-tokens must be at least 1 (got {max_tokens})")
+    if max_tokens_default < 1:
+        _fail(f"--max-tokens-default must be at least 1 (got {max_tokens_default})")
     if context_size is not None and context_size < 1:
         _fail(f"--context-size must be at least 1 (got {context_size})")
+    from . import defaults as named
+
+    demo_context = context_size is None and named.context_size(model, None) is not None
+    context_size = named.context_size(model, context_size)
     if max_concurrent < 1:
         _fail(f"--max-concurrent must be at least 1 (got {max_concurrent})")
     if max_queue < 0:
@@ -534,11 +551,15 @@ def serve(
             max_request_bytes=max_request_bytes, block_tokens=block_tokens, prompt_cache_bytes=int(prompt_cache_gb * 1e9),
             sampling=sampling, chat_template_args=template_args, allowed_origins=origins, draft_quant=draft_quant,
             model_aliases=model_alias or (), max_concurrent=max_concurrent, max_queue=max_queue,
+            max_tokens_default=max_tokens_default,
         )
         engine = app_.state.engine
+        if demo_context:
+            engine.context_source = "the demo pair's default; --context-size to change it"
         defaults = ", ".join(f"{k} {v}" for k, v in engine.sampling.items())
         typer.secho(f"serving {name!r} on http://{host}:{port}/v1; context limit {engine.context_limit} tokens "
-                    f"({engine.context_source}); sampling defaults: {defaults}", err=True)
+                    f"({engine.context_source}); answers without max_tokens stop at {max_tokens_default} tokens; "
+                    f"sampling defaults: {defaults}", err=True)
         run_server(app_, host, port, log_level)
 
 
@@ -546,7 +567,7 @@ def serve(
 def agent(
     client: Annotated[str, typer.Argument(help="claude (Claude Code), codex (Codex CLI) or opencode.")],
     args: Annotated[Optional[List[str]], typer.Argument(help="Given to the client, after --: e.g. -- -p 'fix the tests'.")] = None,
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="What to serve, as for serve; 'demo' gets --context-size 65536 unless given (the demo's 4,096 cannot hold an agent's first request); 'scripted': a tiny pair with fixed answers that calls the client's shell tool when asked to 'run the scripted tool' (made on first use, no download: a check that the client works against the server, in seconds).")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="What to serve, as for serve ('demo' gets --context-size 65536 unless given, as serve gives it); 'scripted': a tiny pair with fixed answers that calls the client's shell tool when asked to 'run the scripted tool' (made on first use, no download: a check that the client works against the server, in seconds).")] = None,
     draft: Draft = None,
     draft_quant: DraftQuant = "none",
     base_url: Annotated[Optional[str], typer.Option("--base-url", help="Use the server already running here (e.g. http://127.0.0.1:8080) instead of starting one.")] = None,
@@ -600,20 +621,16 @@ def agent(
 
 def _agent_serve_args(client: str, model: Optional[str], draft: Optional[str], draft_quant: str,
                       context_size: Optional[int]):
-    """serve's arguments for ``agent``, the model name clients will use, and the context."""
-    from . import agents, defaults, scripted
+    """serve's arguments for ``agent``, the model name clients will use, and the context to tell
+    them (serve applies the same rule for the demo, ``defaults.context_size``; the scripted pair's
+    target holds ``scripted.CONTEXT`` positions)."""
+    from . import defaults, scripted
 
-    args = ["--draft-quant", draft_quant]
-    if model == "scripted":
-        root = defaults.home() / "scripted" / client
-        target, draft_dir = scripted.write_pair(root, scripted.Script(call=agents.SCRIPTED_CALLS[client]))
-        args += ["--model", str(target), "--draft", str(draft_dir), "--model-name", "scripted"]
-        return args + (["--context-size", str(context_size)] if context_size else []), "scripted", context_size or scripted.CONTEXT
-    if model == defaults.DEMO and context_size is None:
-        context_size = 65536
-    args += (["--model", model] if model else []) + (["--draft", draft] if draft else [])
+    args = ["--draft-quant", draft_quant] + (["--model", model] if model else []) + (["--draft", draft] if draft else [])
     args += ["--context-size", str(context_size)] if context_size else []
-    return args, served_name(model), context_size
+    if model == defaults.SCRIPTED:
+        return args, served_name(model), context_size or scripted.CONTEXT
+    return args, served_name(model), defaults.context_size(model, context_size)
 
 
 def _run_client(agents, client, url, name, context, api_key, args, binary) -> int:
@@ -623,26 +640,45 @@ def _run_client(agents, client, url, name, context, api_key, args, binary) -> in
     return subprocess.call(launch.argv, env=agents.environment(launch))
 
 
-def _server_info(url: str):
-    """The running server's model name and context limit (from /health)."""
-    import httpx
+def _get_json(url: str, timeout: float):
+    """GET ``url``: (status, JSON body or None), with the standard library (``agent`` runs from a
+    plain install, where no HTTP client package is guaranteed). Raises OSError when nothing answers."""
+    import urllib.error
+    import urllib.request
 
     try:
-        health = httpx.get(f"{url}/health", timeout=10).json()
-    except (httpx.HTTPError, ValueError) as e:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            status, body = response.status, response.read()
+    except urllib.error.HTTPError as e:  # an answer all the same
+        status, body = e.code, e.read()
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        return status, None
+
+
+def _server_info(url: str):
+    """The running server's model name and context limit (from /health)."""
+    import http.client
+
+    try:
+        status, health = _get_json(f"{url}/health", timeout=10)
+    except (OSError, ValueError, http.client.HTTPException) as e:  # ValueError: a URL urllib cannot parse
         _fail(f"no dflash-mlx server answers at {url}/health: {e}")
+    if status != 200 or not isinstance(health, dict):
+        _fail(f"no dflash-mlx server answers at {url}/health: HTTP {status}")
     return health.get("model"), health.get("context_limit")
 
 
 def _wait_for(url: str, server) -> bool:
     """Wait until the server answers /health (a first use converts the default pair: no time limit)."""
-    import httpx
+    import http.client
 
     while server.poll() is None:
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+            if _get_json(f"{url}/health", timeout=1)[0] == 200:
                 return True
-        except httpx.HTTPError:
+        except (OSError, http.client.HTTPException):
             pass
         time.sleep(0.3)
     return False

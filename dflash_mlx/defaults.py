@@ -6,6 +6,9 @@ made on first use (``convert_target`` / ``convert_draft``) and kept under ``$DFL
 
 ``demo``: a tiny Qwen3.5 target trained on the Python standard library and its DFlash draft
 (``dflash_mlx/demo/``, rebuilt by ``examples/make_demo.py``), so that everything runs offline.
+
+``scripted``: a tiny pair with fixed answers that calls a coding agent's shell tool when asked
+(``agents.scripted_pair``), made under ``$DFLASH_MLX_HOME/scripted`` on first use.
 """
 
 from __future__ import annotations
@@ -20,6 +23,12 @@ from .target_conversion import convert_target
 
 DEMO = "demo"
 DEMO_DIR = Path(__file__).parent / "demo"
+SCRIPTED = "scripted"
+# The demo target's config says 4,096 positions, which cannot hold an agent's first request
+# (18k-47k tokens with its tokenizer); its RoPE has no table to run out of, so `serve` and `agent`
+# give it this much unless --context-size says otherwise (past its 1,024-token training windows its
+# text is what it is).
+DEMO_CONTEXT = 65536
 # The demo draft was trained on windows of 1024 tokens (its model card): it never saw more context
 # than that, and with the last 1024 tokens it accepts as much as with all of them at every length
 # measured, for a draft pass that stops growing with the context (docs/design.md, "The draft's
@@ -49,8 +58,17 @@ def draft_window(draft_path) -> Optional[int]:
     return None
 
 
+def context_size(model: Optional[str], given: Optional[int]) -> Optional[int]:
+    """The context a server gets (``serve`` and ``agent`` alike): ``--context-size`` as given; else
+    ``DEMO_CONTEXT`` for the demo pair; else None (what fits in memory, at most the target's own)."""
+    if given is None and model == DEMO:
+        return DEMO_CONTEXT
+    return given
+
+
 def resolve(model: Optional[str], draft: Optional[str]) -> Tuple[str, Optional[str]]:
-    """``--model``/``--draft`` as given, ``demo``, or the default pair (converted and cached on first use)."""
+    """``--model``/``--draft`` as given, ``demo``, or the default pair (converted and cached on first
+    use). (``scripted`` is made by ``agents.scripted_pair``, a front end's, above this layer.)"""
     if model == DEMO:
         return demo(draft)
     if model is not None:

@@ -11,6 +11,8 @@ generation prompt with one of three route tokens, each the start of its own chai
 - ``after_tool``: the conversation holds a tool result: the model answers ``after_tool``;
 - ``tool``: a user message contains ``ask`` (and no tool result yet): the model thinks
   ``reasoning`` and calls ``call`` (the reasoning block is open, as Qwen3.5's template leaves it);
+  a script with more ``calls`` (one per client: ``agents.scripted_pair``) makes the call whose
+  name is among the request's tools, through a route token of its own (``tool_1``, ...);
 - ``plain``: anything else: the model answers ``plain`` (the template closed the reasoning).
 
 Each answer's text is cut into a few pieces at its tags, each piece one token added to the
@@ -20,8 +22,12 @@ The draft is a random DFlash draft: speculation runs, and rejects (the output is
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -33,6 +39,15 @@ from . import tiny
 CONTEXT = 262144  # the scripted target's positions have no limit: long enough for any agent's first request
 ROUTES = ("plain", "tool", "after_tool")
 ROUTE_TOKENS = {route: f"<|scripted_{route}|>" for route in ROUTES}
+
+
+def call_route(index: int) -> str:
+    """The route of a script's ``index``-th call: ``tool`` for the first, ``tool_1``... after it."""
+    return "tool" if index == 0 else f"tool_{index}"
+
+
+def route_token(route: str) -> str:
+    return f"<|scripted_{route}|>"
 ASK = "run the scripted tool"
 
 
@@ -55,22 +70,38 @@ class Script:
     call: Optional[Call] = None
     after_tool: str = "The tool ran."
     ask: str = ASK
+    calls: Sequence[Call] = ()  # more calls: each made when the request offers a tool of its name
+
+    def all_calls(self) -> List[Call]:
+        """The calls in route order: ``call`` first (the one made when no tool name matches)."""
+        return ([self.call] if self.call is not None else []) + list(self.calls)
 
     def replies(self) -> Dict[str, str]:
         out = {"plain": self.plain, "after_tool": self.after_tool}
-        if self.call is not None:
-            out["tool"] = f"{self.reasoning}</think>{self.call.text()}"
+        for i, call in enumerate(self.all_calls()):
+            # Each chain starts with a piece of its own (a bigram model has one successor per token).
+            reasoning = self.reasoning if i == 0 else f"{self.reasoning.removesuffix('.')} ({call.name})."
+            out[call_route(i)] = f"{reasoning}</think>{call.text()}"
         return out
 
 
-def template(ask: str = ASK) -> str:
+def template(ask: str = ASK, call_names: Sequence[str] = ()) -> str:
     """Qwen3.5's chat format in small, with its refusals: one system message, first, joined to the
     tools' system turn (a later one raises "System message must be at the beginning."), tool
     results as user turns, earlier answers with their reasoning and their calls' arguments taken
-    as a mapping (``|items``, which a JSON string fails); the generation prompt ends in a route token."""
+    as a mapping (``|items``, which a JSON string fails); the generation prompt ends in a route token
+    (for a call: that of the first of ``call_names`` the request's tools offer, else the first call's)."""
     ask = json.dumps(ask)
+    pick = "".join(
+        "{%- if not ns.picked and f['name'] == " + json.dumps(name) + " -%}"
+        "{%- set ns.route = " + json.dumps(route_token(call_route(i))) + " -%}{%- set ns.picked = true -%}{%- endif -%}"
+        for i, name in enumerate(call_names)
+    )
     return (
-        "{%- set ns = namespace(tool=false, ask=false) -%}"
+        "{%- set ns = namespace(tool=false, ask=false, route=" + json.dumps(ROUTE_TOKENS["tool"]) + ", picked=false) -%}"
+        "{%- for t in tools or [] -%}"
+        "{%- set f = t['function'] if t['function'] is defined else t -%}" + pick +
+        "{%- endfor -%}"
         "{%- for m in messages -%}"
         "{%- if m['role'] == 'tool' -%}{%- set ns.tool = true -%}{%- endif -%}"
         "{%- if m['role'] == 'user' -%}"
@@ -99,7 +130,7 @@ def template(ask: str = ASK) -> str:
         "<|im_end|>\n{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n"
         "{% if ns.tool %}\n</think>\n\n" + ROUTE_TOKENS["after_tool"] +
-        "{% elif ns.ask %}" + ROUTE_TOKENS["tool"] +
+        "{% elif ns.ask %}{{ ns.route }}"
         "{% else %}\n</think>\n\n" + ROUTE_TOKENS["plain"] + "{% endif %}{% endif %}"
     )
 
@@ -130,9 +161,10 @@ def write_pair(root: Path, script: Script, context: int = CONTEXT, vocab_size: i
     target_dir, draft_dir = root / "target", root / "draft"
     taken: set = set()
     chains = {route: _pieces(text, taken) for route, text in script.replies().items()}
-    specials = set(tiny.SPECIAL_TOKENS) | set(ROUTE_TOKENS.values())
+    routes = list(dict.fromkeys([*ROUTE_TOKENS.values(), *(route_token(r) for r in chains)]))
+    specials = set(tiny.SPECIAL_TOKENS) | set(routes)
     added = sorted({p for pieces in chains.values() for p in pieces} - specials)
-    eos = tiny.write_tokenizer(target_dir, vocab_size - len(added), extra_special_tokens=list(ROUTE_TOKENS.values()))
+    eos = tiny.write_tokenizer(target_dir, vocab_size - len(added), extra_special_tokens=routes)
     tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
     tokenizer.add_tokens([AddedToken(p, normalized=False) for p in added])
     tokenizer.save(str(target_dir / "tokenizer.json"))
@@ -140,12 +172,33 @@ def write_pair(root: Path, script: Script, context: int = CONTEXT, vocab_size: i
     config = json.loads(config_path.read_text())
     config.pop("chat_template", None)
     config_path.write_text(json.dumps(config, indent=2))
-    (target_dir / "chat_template.jinja").write_text(template(script.ask))
+    (target_dir / "chat_template.jinja").write_text(template(script.ask, [c.name for c in script.all_calls()]))
     over = dict(num_hidden_layers=1, layer_types=["linear_attention"], max_position_embeddings=context)
     target_config = tiny.write_target(target_dir, tiny.target_config(vocab_size, eos_token_id=eos, **over))
     tiny.write_draft(draft_dir, tiny.draft_config(target_config, block_size=16, target_layer_ids=[0]))
-    _script_head(target_dir, tokenizer, {route: [ROUTE_TOKENS[route], *pieces, "<|im_end|>"] for route, pieces in chains.items()})
+    _script_head(target_dir, tokenizer, {route: [route_token(route), *pieces, "<|im_end|>"] for route, pieces in chains.items()})
     return target_dir, draft_dir
+
+
+def cached_pair(root: Path, script: Script, context: int = CONTEXT) -> Tuple[Path, Path]:
+    """The scripted pair for ``script`` under ``root``, written on first use: in a folder named by
+    a digest of the script and of the code that writes it, so that a changed script or writer gets
+    a new pair, and moved into place whole (a server starting beside another never reads half a pair)."""
+    source = Path(__file__).read_bytes() + Path(tiny.__file__).read_bytes()
+    key = json.dumps([script.replies(), script.ask, [c.name for c in script.all_calls()], context])
+    folder = root / hashlib.sha256(source + key.encode()).hexdigest()[:16]
+    if not folder.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=".writing-", dir=root))
+        try:
+            write_pair(scratch, script, context)
+            os.rename(scratch, folder)
+        except OSError:
+            if not folder.exists():  # not another process's pair that got there first
+                raise
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return folder / "target", folder / "draft"
 
 
 def _script_head(target_dir: Path, tokenizer, chains: Dict[str, List[str]]) -> None:
@@ -171,6 +224,14 @@ def point_head(target_dir: Path, chains: List[List[int]]) -> None:
         if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight")) or name == "model.norm.weight":
             weights[name] = np.zeros_like(weights[name])  # zero-centred final norm: a weight of one
     embeddings = weights["model.embed_tokens.weight"]
+    used = sorted({token for ids in chains for token in ids})
+    if len(used) <= embeddings.shape[1]:
+        # The chains' tokens get orthogonal embeddings (unit RMS): a token's head row, the sum of its
+        # predecessors' embeddings, then scores only them, however many chains there are (random
+        # embeddings of 64 dimensions let a successor shared by five chains outscore the right one).
+        basis, _ = np.linalg.qr(np.random.default_rng(1).standard_normal((embeddings.shape[1], len(used))))
+        embeddings[used] = (basis.T * np.sqrt(embeddings.shape[1])).astype(embeddings.dtype)
+        weights["model.embed_tokens.weight"] = embeddings
     normed = embeddings / np.sqrt((embeddings**2).mean(axis=-1, keepdims=True) + 1e-6)
     head = np.random.default_rng(0).standard_normal(weights["lm_head.weight"].shape).astype(np.float32) * 0.01
     before: Dict[int, List[int]] = {}  # each token's predecessors

@@ -1,5 +1,5 @@
 """One client's two runs against one `serve`, inside a private network namespace (tests/test_agents.py
-starts this under `unshare -n` with only loopback up): the scripted pair made for the client, the
+starts this under `unshare -n` with only loopback up): the scripted pair (`--model scripted`'s), the
 server on 127.0.0.1, then `dflash-mlx agent CLIENT --base-url ...` with a plain prompt and with one
 that makes the model call the client's shell tool, the client's own state under a fresh HOME.
 The client talks to the server through a recording proxy: every request's method, path, size,
@@ -30,20 +30,7 @@ from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 from dflash_mlx import agents, scripted
-
-PLAIN = "Say hello."
-ASK = f"Please {scripted.ASK}."
-# Each client non-interactively; the tool run prints the tool's result (JSON events) so that the
-# test sees it ran. Codex's sandbox is off: the namespace has no network, and its bundled bubblewrap
-# is not what is under test.
-RUNS = {
-    "claude": {"plain": ["-p", PLAIN],
-               "tool": ["-p", ASK, "--allowedTools", "Bash", "--output-format", "stream-json", "--verbose"]},
-    "codex": {"plain": ["exec", "--skip-git-repo-check", PLAIN],
-              "tool": ["exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", "--json", ASK]},
-    "opencode": {"plain": ["run", PLAIN], "tool": ["run", "--format", "json", ASK]},
-}
-
+from tests.agent_clients import RUNS
 
 def shape(body: bytes) -> dict:
     """What a request carried, distilled: its fields, tools by type, turns, and the values that matter."""
@@ -107,7 +94,8 @@ def free_port() -> int:
 
 def main(client: str, bin_dir: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    target, draft = scripted.write_pair(out / "pair", scripted.Script(call=agents.SCRIPTED_CALLS[client]))
+    # What `--model scripted` serves: one pair for every client (the call follows the request's tools).
+    target, draft = scripted.write_pair(out / "pair", agents.scripted_script())
     port, proxy_port = free_port(), free_port()
     url, proxy_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{proxy_port}"
     requests: list = []

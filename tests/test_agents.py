@@ -1,6 +1,6 @@
 """The real clients against `serve`: Claude Code, Codex and opencode at their pinned versions
 (tools/install-agents.sh), each run non-interactively inside a private network namespace with only
-loopback up, against the scripted pair made for it: a plain prompt, and one where the model calls
+loopback up, against the scripted pair (`--model scripted`'s): a plain prompt, and one where the model calls
 the client's shell tool and the client sends its result back. Each run exits 0, the tool's output
 reaches the client, and the server's log has no refusal (4xx) or failure (5xx).
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from dflash_mlx import agents, scripted
+from tests import agent_clients
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(os.environ.get("DFLASH_MLX_AGENTS", ROOT / ".agents")) / "node_modules" / ".bin"
@@ -27,13 +27,11 @@ pytestmark = [pytest.mark.agents, pytest.mark.slow]  # the real clients, one ser
 
 
 def namespace() -> list:
-    """The command prefix that runs a command with no network but loopback (root: unshare -n;
-    otherwise a user namespace too, where the kernel allows one)."""
-    for prefix in (["unshare", "-n"], ["unshare", "-rn"]):
-        if shutil.which("unshare") and subprocess.run([*prefix, "true"], capture_output=True).returncode == 0:
-            return prefix
-    pytest.fail("cannot make a network namespace (unshare -n, or unshare -rn without root): the clients must not "
-                "reach anything but loopback, so they are not run here")
+    prefix = agent_clients.namespace()
+    if prefix is None:
+        pytest.fail("cannot make a network namespace (unshare -n, or unshare -rn without root): the clients must not "
+                    "reach anything but loopback, so they are not run here")
+    return prefix
 
 
 def run_client(client: str, tmp_path: Path) -> dict:
@@ -42,8 +40,9 @@ def run_client(client: str, tmp_path: Path) -> dict:
         pytest.fail(f"{agents.DOCS[client]} is not installed at {binary}: run tools/install-agents.sh (npm installs the "
                     f"pinned {', '.join(agents.PACKAGES.values())} into .agents/), or set DFLASH_MLX_AGENTS to a folder "
                     "holding them; to run the suite without them: pytest -m 'not agents'")
-    script = f'ip link set lo up && exec "{sys.executable}" -m tests.agent_run {client} "{BIN}" "{tmp_path}"'
-    done = subprocess.run([*namespace(), "bash", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    command = f'exec "{sys.executable}" -m tests.agent_run {client} "{BIN}" "{tmp_path}"'
+    done = subprocess.run(agent_clients.in_namespace(namespace(), command), cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((tmp_path / "results.json").read_text())
 

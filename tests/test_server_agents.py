@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from dflash_mlx import scripted, tiny
 from dflash_mlx.server.anthropic import MessagesRequest, _thinking
-from dflash_mlx.server.engine import ContextFull, Engine
+from dflash_mlx.server.engine import DEFAULT_ANSWER_TOKENS, ContextFull, Engine
 from tests.test_server import server_log, start_server
 
 CONTEXT = 8192
@@ -237,12 +237,17 @@ def test_chat_completions_refuse_fields_that_would_change_the_answer(server, fie
 
 
 def test_answers_are_as_long_as_the_client_asks_up_to_the_context():
-    def budget(cap, limit, prompt, requested):
-        return Engine.answer_budget(types.SimpleNamespace(max_tokens_cap=cap, context_limit=limit), prompt, requested)
+    def budget(cap, limit, prompt, requested, default=DEFAULT_ANSWER_TOKENS):
+        engine = types.SimpleNamespace(max_tokens_cap=cap, context_limit=limit, max_tokens_default=default)
+        return Engine.answer_budget(engine, prompt, requested)
 
     assert budget(None, 262144, 40000, 32000) == 32000  # Claude Code's 32,000 (a 4096 cap once cut it)
     assert budget(None, 40500, 40000, 32000) == 500 and budget(None, 40500, 40000, None) == 500
     assert budget(4096, 262144, 40000, 32000) == 4096  # the operator's --max-tokens
+    # No max_tokens (Codex, Continue, llm, Aider): --max-tokens-default, not the rest of a 262k context.
+    assert budget(None, 262144, 40000, None) == 32768 and budget(None, None, 10, None) == 32768
+    assert budget(None, 262144, 40000, None, default=100) == 100 and budget(50, 262144, 40000, None) == 50
+    assert budget(None, 262144, 40000, 50000) == 50000  # a request's own number above the default wins
     with pytest.raises(ContextFull) as full:
         budget(None, 40000, 40000, 8)
     assert full.value.maximum == 39999
@@ -257,16 +262,16 @@ def test_keepalives_go_out_while_a_request_waits(tmp_path, monkeypatch):
 
     target, draft = tiny.write_pair(tmp_path)
     model, tokenizer = load(str(target), draft=str(draft))
-    app = create_app(model, tokenizer, "tiny", keepalive_seconds=0.02, max_concurrent=1)  # the one-at-a-time worker, held back
-    from dflash_mlx.server import engine as engine_module
+    from dflash_mlx.server.engine import Engine
 
-    generate = engine_module.stream_generate
+    schedule = Engine._request
 
-    def held_back(*args, **kwargs):
+    def held_back(self, job):  # the worker busy for 0.3 s before the request joins its scheduler
         time.sleep(0.3)
-        yield from generate(*args, **kwargs)
+        return schedule(self, job)
 
-    monkeypatch.setattr(engine_module, "stream_generate", held_back)
+    monkeypatch.setattr(Engine, "_request", held_back)
+    app = create_app(model, tokenizer, "tiny", keepalive_seconds=0.02, max_concurrent=1)
 
     async def ask():
         transport = httpx.ASGITransport(app=app)
@@ -294,14 +299,14 @@ def test_the_agent_launcher_points_each_client_at_the_server_without_its_files(t
     assert claude.env["DISABLE_TELEMETRY"] == "1" and "ANTHROPIC_API_KEY" in claude.unset
     assert "ANTHROPIC_API_KEY" not in agents.environment(claude, {"ANTHROPIC_API_KEY": "sk-ant-real"})
     codex = agents.launch("codex", "http://127.0.0.1:9", "qwopus", 65536, args=["exec", "hi"])
-    assert codex.argv[-2:] == ["exec", "hi"] and "model_context_window=65536" in codex.argv
+    assert codex.argv[-3:] == ["exec", "--skip-git-repo-check", "hi"] and "model_context_window=65536" in codex.argv
     assert 'model_providers.dflash_mlx={name = "dflash-mlx", base_url = "http://127.0.0.1:9/v1", wire_api = "responses", ' \
            'env_key = "DFLASH_MLX_API_KEY"}' in codex.argv and "analytics.enabled=false" in codex.argv
     opencode = json.loads(agents.launch("opencode", "http://127.0.0.1:9", "qwopus", 65536).env["OPENCODE_CONFIG_CONTENT"])
     assert opencode["model"] == "dflash_mlx/qwopus" and opencode["provider"]["dflash_mlx"]["options"]["baseURL"].endswith("/v1")
     monkeypatch.setenv("DFLASH_MLX_HOME", str(tmp_path))
     args, name, context = _agent_serve_args("codex", "scripted", None, "none", None)
-    assert name == "scripted" and context == scripted.CONTEXT and (tmp_path / "scripted/codex/target/config.json").exists()
+    assert name == "scripted" and context == scripted.CONTEXT and args[-2:] == ["--model", "scripted"]  # serve makes the pair
     assert _agent_serve_args("claude", "demo", None, "none", None)[2] == 65536  # the demo's 4,096 holds no agent
 
 

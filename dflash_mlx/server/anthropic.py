@@ -17,6 +17,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from .content import check_part, check_parts
 from .engine import ContextFull, Engine, Job, collect, current_engine, job_events, note
 from .errors import APIError
 from .fields import IgnoredFields, ignored_tools_header
@@ -24,7 +25,8 @@ from .tool_calls import ToolCallScanner, answer_parts
 
 router = APIRouter()
 ROUTE = "/v1/messages"
-# Blocks the template renders; others (images, documents, server tools' results) are left out, logged.
+# Blocks the template renders; images and documents are refused (content.py), others (server tools'
+# results...) are left out, logged.
 READ_BLOCKS = {"text", "tool_use", "tool_result", "thinking", "redacted_thinking"}
 # Documented fields that do not apply to a local server: accepted, ignored with a log line.
 NOT_APPLICABLE = ("metadata", "service_tier", "context_management", "container", "inference_geo", "cache_control")
@@ -161,9 +163,24 @@ def _check(req: CountTokensRequest, ignored_fields: IgnoredFields) -> None:
     if (req.thinking or {}).get("type") not in (None, "enabled", "adaptive", "disabled"):
         ignored.append(f"thinking.type={req.thinking['type']}")
     ignored_fields.note(ROUTE, ignored)
+    _check_content(req)
     blocks = {b.type for m in req.messages if not isinstance(m.content, str) for b in m.content} - READ_BLOCKS
     ignored_fields.note(ROUTE, blocks, "content blocks")
     ignored_fields.note(ROUTE, _hosted(req), "hosted tools")
+
+
+def _check_content(req: CountTokensRequest) -> None:
+    """Images and documents, in a message or inside a ``tool_result`` (Claude Code reading a
+    picture), are refused naming the block: the target reads text only (content.py)."""
+    if not isinstance(req.system, str):
+        check_parts(req.system, "system")
+    for i, m in enumerate(req.messages):
+        if isinstance(m.content, str):
+            continue
+        for j, block in enumerate(m.content):
+            check_part(block, f"messages[{i}].content[{j}]")
+            if block.type == "tool_result":
+                check_parts(block.content, f"messages[{i}].content[{j}].content")
 
 
 async def _prompt(engine: Engine, req: CountTokensRequest) -> List[int]:

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..api import DFlashModel
 from . import anthropic, openai, responses
-from .engine import DEFAULT_CONCURRENCY, DEFAULT_QUEUE, REQUEST_RECORD, Engine, current_engine
+from .engine import DEFAULT_ANSWER_TOKENS, DEFAULT_CONCURRENCY, DEFAULT_QUEUE, REQUEST_RECORD, Engine, current_engine
 from .errors import APIError, error_body
 
 LOG = logging.getLogger("dflash_mlx.server")
@@ -224,12 +224,14 @@ def create_app(
     keepalive_seconds: Optional[float] = None,
     max_concurrent: int = DEFAULT_CONCURRENCY,
     max_queue: int = DEFAULT_QUEUE,
+    max_tokens_default: int = DEFAULT_ANSWER_TOKENS,
 ) -> FastAPI:
     """The server's app. ``context_limit`` defaults to the longest context that fits in memory
     (``memory_bytes``, default this machine's) beside the pair's weights (``draft_quant``: how the
     draft was quantized at load) and ``prompt_cache_bytes`` (the prefix caches kept between
     requests), at most the target's ``max_position_embeddings``. ``max_tokens_cap`` (None: none)
-    bounds every answer, which is otherwise what the request asks up to the context.
+    bounds every answer, which is otherwise what the request asks up to the context, and
+    ``max_tokens_default`` tokens where the request asks no number.
     ``sampling``: the defaults for a request's temperature, top_p, top_k and min_p, over the
     target's generation_config.json; ``chat_template_args``: for every request's chat template
     (the request's own win); ``allowed_origins``: the origins browsers may call from (CORS; ``*``:
@@ -238,7 +240,8 @@ def create_app(
     ``max_queue``: requests that may wait beyond those (more get a 503 with Retry-After)."""
     engine = Engine(model, tokenizer, model_name, context_limit, max_tokens_cap, block_tokens, prompt_cache_bytes,
                     sampling=sampling, chat_template_args=chat_template_args, draft_quant=draft_quant,
-                    memory_bytes=memory_bytes, max_concurrent=max_concurrent, max_queue=max_queue)
+                    memory_bytes=memory_bytes, max_concurrent=max_concurrent, max_queue=max_queue,
+                    max_tokens_default=max_tokens_default)
     engine.aliases = set(model_aliases) - {model_name}
     if keepalive_seconds is not None:
         engine.keepalive_seconds = keepalive_seconds

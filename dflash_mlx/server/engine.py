@@ -156,8 +156,10 @@ DEFAULT_CONCURRENCY = 4
 DEFAULT_QUEUE = 64
 RETRY_AFTER_SECONDS = 5
 
-# An answer's length when neither the request, the operator (--max-tokens) nor a context limit bounds it.
-UNBOUNDED_ANSWER = 4096
+# An answer's length when the request gives none (serve --max-tokens-default), within the context
+# and --max-tokens: Claude Code and opencode ask 32,000; Codex, Continue, llm and Aider send nothing,
+# and one answer caught in a repetition loop would otherwise hold its slot until the context is full.
+DEFAULT_ANSWER_TOKENS = 32768
 # Seconds a stream may stay silent (queued, or prefilling a long prompt) before a keep-alive goes out:
 # clients give up on a silent stream (Claude Code after 300 s), Anthropic's API sends ping events.
 KEEPALIVE_SECONDS = 10.0
@@ -323,7 +325,7 @@ class Engine:
                  prompt_cache_bytes: int = 4 << 30, sampling: Optional[Dict[str, Any]] = None,
                  chat_template_args: Optional[Dict[str, Any]] = None, draft_quant: Optional[str] = None,
                  memory_bytes: Optional[int] = None, max_concurrent: int = DEFAULT_CONCURRENCY,
-                 max_queue: int = DEFAULT_QUEUE):
+                 max_queue: int = DEFAULT_QUEUE, max_tokens_default: int = DEFAULT_ANSWER_TOKENS):
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent must be at least 1, got {max_concurrent}")
         if max_queue < 0:
@@ -343,6 +345,9 @@ class Engine:
                 context_limit, self.context_source = fits, "what fits in memory beside the weights and --prompt-cache-gb"
         self.context_limit = context_limit
         self.max_tokens_cap, self.block_tokens = max_tokens_cap, block_tokens
+        if max_tokens_default < 1:
+            raise ValueError(f"max_tokens_default must be at least 1, got {max_tokens_default}")
+        self.max_tokens_default = max_tokens_default
         self.sampling = sampling_defaults(model.target_path, sampling)
         self.chat_template_args = dict(chat_template_args or {})
         self.pending: "queue.SimpleQueue[Job]" = queue.SimpleQueue()
@@ -378,16 +383,16 @@ class Engine:
         return name
 
     def answer_budget(self, prompt_tokens: int, requested: Optional[int]) -> int:
-        """Tokens an answer may have: what was asked (or the cap), within the context limit,
-        which counts the prompt and the answer together. A prompt that leaves no room for an
-        answer is refused (``ContextFull``, with the numbers)."""
+        """Tokens an answer may have: what was asked (without a number, ``max_tokens_default``),
+        within the operator's cap and the context limit, which counts the prompt and the answer
+        together. A prompt that leaves no room for an answer is refused (``ContextFull``, with the numbers)."""
         note(prompt_tokens=prompt_tokens)
         limit = self.context_limit
         if limit is not None and prompt_tokens >= limit:
             raise ContextFull(prompt_tokens, limit)
         room = None if limit is None else limit - prompt_tokens
-        bounds = [b for b in (requested, self.max_tokens_cap, room) if b is not None]
-        return min(bounds) if bounds else UNBOUNDED_ANSWER
+        asked = self.max_tokens_default if requested is None else requested
+        return min(b for b in (asked, self.max_tokens_cap, room) if b is not None)
 
     async def render(self, messages: List[Dict[str, Any]], tools=None, param: str = "messages", **template_kwargs) -> List[int]:
         """The prompt's token ids through the chat template (with the server's

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..api import GenerationResponse, encode_prompt
+from .content import check_part
 from .engine import ContextFull, Engine, Job, collect, current_engine, job_events
 from .fields import IgnoredFields
 from .errors import APIError, error_body
@@ -202,6 +203,7 @@ def _message_dict(m: Message, index: int) -> Dict[str, Any]:
         for j, part in enumerate(out["content"]):
             kind, text = part.get("type"), part.get("text")
             if kind != "text":
+                check_part(part, f"messages[{index}].content[{j}]")  # images, audio, files: content.py's refusal
                 raise APIError(400, f"content parts of type {kind!r} are not supported (text only)",
                                param=f"messages[{index}].content[{j}]", code="unsupported_content")
             if not isinstance(text, str):

@@ -18,6 +18,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from .content import check_parts
 from .engine import ContextFull, Engine, Job, collect, current_engine, job_events
 from .fields import IgnoredFields, ignored_tools_header
 from .errors import APIError
@@ -81,11 +82,14 @@ def _unsupported(req: ResponsesRequest, ignored_fields: IgnoredFields) -> None:
         raise APIError(400, "truncation 'auto' is not supported: the context limit is checked instead", param="truncation")
 
 
-def _text(content) -> str:
+def _text(content, where: str = "input") -> str:
+    """A content's text (its text parts, joined); a part the target cannot read (an image, a
+    file) is refused, naming it (``where``: the content's place in the request)."""
     if isinstance(content, str) or content is None:
         return content or ""
     if not isinstance(content, list):
         raise APIError(400, "content must be a string or a list of parts", param="input")
+    check_parts(content, where)
     return "".join(str(part.get("text") or "") for part in content if isinstance(part, dict)
                    and part.get("type") in ("input_text", "output_text", "text", "reasoning_text", "summary_text"))
 
@@ -99,7 +103,7 @@ def _leading_system(instructions: Optional[str], items: List[Dict[str, Any]]):
     for item in items:
         if item.get("type", "message") != "message" or item.get("role") not in ("system", "developer"):
             break
-        texts.append(_text(item.get("content")))
+        texts.append(_text(item.get("content"), f"input[{start}].content"))
         start += 1
     texts = [t for t in texts if t]
     return ([{"role": "system", "content": "\n\n".join(texts)}] if texts else []), items[start:]
@@ -111,7 +115,8 @@ def chat_messages(req: ResponsesRequest) -> List[Dict[str, Any]]:
     turns, reasoning items the next answer's reasoning_content. Later system/developer items stay
     in place (the engine makes them user turns if the template refuses them there)."""
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
-    out, items = _leading_system(req.instructions, items)
+    out, rest = _leading_system(req.instructions, items)
+    first = len(items) - len(rest)  # the index in ``input`` of the first item left
     reasoning = None
 
     def assistant() -> Dict[str, Any]:
@@ -119,19 +124,19 @@ def chat_messages(req: ResponsesRequest) -> List[Dict[str, Any]]:
             out.append({"role": "assistant", "content": ""})
         return out[-1]
 
-    for item in items:
+    for index, item in enumerate(rest, start=first):
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
             role = {"developer": "system"}.get(role, role) if isinstance(role, str) else role
             if role not in ("system", "user", "assistant"):
                 raise APIError(400, f"input message role {item.get('role')!r} is not supported", param="input")
-            out.append({"role": role, "content": _text(item.get("content"))})
+            out.append({"role": role, "content": _text(item.get("content"), f"input[{index}].content")})
             if role == "assistant" and reasoning:
                 out[-1]["reasoning_content"], reasoning = reasoning, None
         elif kind == "reasoning":
             summary = item.get("summary") if isinstance(item.get("summary"), list) else []
-            reasoning = _text(item.get("content")) or "".join(str(s.get("text") or "") for s in summary if isinstance(s, dict))
+            reasoning = _text(item.get("content"), f"input[{index}].content") or "".join(str(s.get("text") or "") for s in summary if isinstance(s, dict))
         elif kind == "function_call":
             turn = assistant()
             if reasoning:
@@ -145,7 +150,7 @@ def chat_messages(req: ResponsesRequest) -> List[Dict[str, Any]]:
         elif kind == "function_call_output":
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                        "content": output if isinstance(output, str) else _text(output)})
+                        "content": output if isinstance(output, str) else _text(output, f"input[{index}].output")})
         else:
             raise APIError(400, f"input items of type {kind!r} are not supported", param="input")
     return out
