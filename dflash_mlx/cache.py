@@ -16,6 +16,28 @@ from mlx_lm.models.cache import KVCache
 from . import kernels
 
 
+# Where prefill chunks (and so prefix-cache checkpoints) may end, in tokens from the start of the
+# sequence: the Gated DeltaNet recurrence's chunk (``prefill``'s module docstring says why).
+GRID = kernels.CHUNK
+
+
+def on_grid(position: int) -> int:
+    """The last grid position at or before ``position``."""
+    return position - position % GRID
+
+
+def features_from(draft_cache: list, count: int, at: int = 0) -> int:
+    """The first of ``count`` new positions (the first at position ``at`` of the sequence) whose
+    context features the draft is given: all of them unless every layer keeps a window of the last
+    tokens (a sliding or ``--draft-window`` draft); then from the grid position at or before the
+    window's start (a prefill boundary), and the target's layers after the last tap need not run
+    for the positions before."""
+    kept = [getattr(c, "window", None) for c in draft_cache if not getattr(c, "reads_no_context", False)]
+    if not kept or any(w is None for w in kept):
+        return 0
+    return max(on_grid(at + max(count - max(kept), 0)) - at, 0)
+
+
 @dataclass
 class GatedDeltaTape:
     """What a verify pass records to undo its uncommitted steps."""
@@ -118,10 +140,11 @@ def _rows(tape_part, row: slice):
 
 class KVBatch:
     """Several sequences' attention caches for a pass over ``[B, T]`` tokens: each row attends
-    over its own cache (no padding joins two sequences' keys; see ``Attention.attend``)."""
+    over its own cache with its own first ``rows[i]`` queries (the rest of its row is padding,
+    which never enters its cache; see ``layers.cached_attention``)."""
 
-    def __init__(self, members: List[KVCache]):
-        self.members = members
+    def __init__(self, members: List[KVCache], rows: List[int]):
+        self.members, self.rows = members, rows
 
     @property
     def offset(self) -> mx.array:
@@ -129,9 +152,11 @@ class KVBatch:
         return mx.array([m.offset for m in self.members])
 
 
-def batch_view(caches: List[list]) -> list:
-    """Per layer, the batch view over several sequences' caches (each a target cache list)."""
-    return [GatedDeltaBatch(list(layer)) if isinstance(layer[0], GatedDeltaCache) else KVBatch(list(layer))
+def batch_view(caches: List[list], rows: List[int]) -> list:
+    """Per layer, the batch view over several sequences' caches (each a target cache list), each
+    fed its first ``rows[i]`` rows of the pass (the Gated DeltaNet layers take the whole pass, the
+    padding rolled back by the tape)."""
+    return [GatedDeltaBatch(list(layer)) if isinstance(layer[0], GatedDeltaCache) else KVBatch(list(layer), rows)
             for layer in zip(*caches)]
 
 
@@ -144,29 +169,38 @@ def rollback(cache: list, fed: int, kept: int) -> None:
             c.trim(fed - kept)
 
 
-def rollback_batch(caches: List[list], fed: int, kept: List[int]) -> None:
-    """``rollback`` for every sequence of a batched pass (``caches[i]`` keeps ``kept[i]`` of
-    ``fed`` tokens). Per Gated DeltaNet layer, one replay over the batch's tape brings every row
+def rollback_batch(caches: List[list], fed: List[int], kept: List[int]) -> None:
+    """``rollback`` for every sequence of a batched pass (``caches[i]`` keeps ``kept[i]`` of the
+    ``fed[i]`` tokens its attention took). Per Gated DeltaNet layer, one replay over the batch's tape brings every row
     to its own step count (``Recurrence.tape_replay_rows``: the steps past a row's count add
-    exact zeros), instead of a replay per sequence; attention caches are trimmed per sequence."""
+    exact zeros), instead of a replay per sequence; attention caches are trimmed per sequence.
+
+    ``caches`` may be any of the pass's sequences, in any order (those that left while the pass
+    ran are not rolled back here): each cache names its own row of the tape (``tape_row``), and
+    the rows of sequences not given replay to the end, their states unused."""
     for layer in zip(*caches):
         if not isinstance(layer[0], GatedDeltaCache):
-            for c, n in zip(layer, kept):
-                if fed > n:
-                    c.trim(fed - n)
+            for c, f, n in zip(layer, fed, kept):
+                if f > n:
+                    c.trim(f - n)
             continue
         shared = layer[0].tape
         batched = (len(layer) > 1 and shared is not None and isinstance(shared.delta, mx.array)
-                   and all(c.tape is shared and c.tape_row == i for i, c in enumerate(layer)))
+                   and all(c.tape is shared and c.tape_row is not None for c in layer))
         if not batched:  # a pass of its own (or mlx-lm's kernel's tape): each as alone
             for c, n in zip(layer, kept):
                 c.rollback(n)
             continue
-        taken = [(row, c, n) for row, (c, n) in enumerate(zip(layer, kept)) if c._take_tape(n)[0] is not None]
+        steps = shared.k.shape[1]
+        counts = [steps] * shared.k.shape[0]  # one per row of the tape
+        for c, n in zip(layer, kept):
+            counts[c.tape_row] = n
+        taken = [(c.tape_row, c, n) for c, n in zip(layer, kept)]
+        taken = [(row, c, n) for row, c, n in taken if c._take_tape(n)[0] is not None]
         if not taken:
             continue
         states = layer[0].recurrence.tape_replay_rows(shared.start_state, shared.k, shared.g, shared.delta,
-                                                      mx.array(kept))
+                                                      mx.array(counts))
         for row, c, n in taken:
             c._kept(states[row : row + 1], shared, row, n)
 

@@ -21,10 +21,10 @@ from typing import Container, Generator, List, Optional, Sequence as Seq, Tuple
 import mlx.core as mx
 
 from .block_policy import BlockChooser, FixedBlock
-from .cache import batch_view, cache_arrays, restore, rollback_batch, snapshot
+from .cache import batch_view, cache_arrays, features_from, restore, rollback_batch, snapshot
 from .models.dflash import DFlashDraft
 from .models.qwen3_5 import Model as Target
-from .prefill import features_from, prefill_chunks
+from .prefill import prefill_chunks
 from .quantized import MAX_ROWS
 from .records import Budget, Commit, logprobs
 from .sampling import Sampler, accept
@@ -64,16 +64,20 @@ def batch_min_rows() -> int:
     return 1 if products_row_independent() else 2
 
 
-def plan_blocks(wanted: Seq[int], row_limit: int = ROW_LIMIT) -> Tuple[int, List[int]]:
+def plan_blocks(wanted: Seq[int], row_limit: int = ROW_LIMIT, whole: Seq[bool] = ()) -> Tuple[int, List[int]]:
     """The pass's rows per sequence ``T`` and each sequence's block, from the blocks each one's own
     controller wants: ``T`` is the largest wanted, cut to ``row_limit // len(wanted)`` (at least 1)
     when the batch would pass ``row_limit`` rows; a block never exceeds ``T``. A sequence that wants
     1 runs a plain step: its one row rides with its batch-mates' blocks (padded to ``T``), and it
-    costs the draft nothing."""
+    costs the draft nothing. ``whole[i]``: sequence i's block is never cut (``Sequence.whole_block``;
+    ``Decoder.fit`` chose a batch where it fits)."""
     if not wanted:
         raise ValueError("no sequence to plan")
     top = max(1, row_limit // len(wanted))
-    blocks = [max(1, min(b, top)) for b in wanted]
+    whole = list(whole) or [False] * len(wanted)
+    blocks = [b if keep else max(1, min(b, top)) for b, keep in zip(wanted, whole)]
+    if len(blocks) * max(blocks) > max(row_limit, len(blocks)):
+        raise ValueError(f"blocks {blocks} of which {whole} whole do not fit {row_limit} rows")
     return max(blocks), blocks
 
 
@@ -94,6 +98,17 @@ class Sequence:
     @property
     def context(self) -> int:
         return self.cache[0].offset
+
+    @property
+    def whole_block(self) -> Optional[int]:
+        """The block a sampled sequence with a fixed size drafts this cycle, never cut by its
+        batch-mates: a sampled cycle's draws depend on its block (the draft's distribution over a
+        shorter block differs), so a seeded answer would change with the batch. None: any block
+        within the pass's rows (greedy output does not depend on the block; auto picks per cycle)."""
+        if self.sampler.greedy or not isinstance(self.chooser, FixedBlock) or self.draft_cache is None:
+            return None
+        left = self.budget.left
+        return self.chooser.block if left is None else min(self.chooser.block, left)
 
 
 @dataclass(eq=False)
@@ -123,6 +138,7 @@ class Pass:
     batch: List[Sequence]
     steps: List[Step]
     rows: int
+    own: List[int]  # rows of it each sequence's attention took (its block, or min_rows), the rest padding
     logits: mx.array  # [B, rows, V]
     features: Optional[mx.array]  # [B, rows, taps x H]
     started: float
@@ -158,7 +174,7 @@ class Decoder:
         first_kept = 0
         if draft is not None:
             draft_cache = draft.make_cache(draft_window) if draft_cache is None else draft_cache
-            first_kept = features_from(draft_cache, prompt.size)
+            first_kept = features_from(draft_cache, prompt.size, cache[0].offset)
             for c in draft_cache:  # room for the prompt's features (and a first block) in one growth
                 if hasattr(c, "reserve"):
                     c.reserve(prompt.size - first_kept + draft.block_size)
@@ -183,9 +199,24 @@ class Decoder:
         """One cycle for every sequence of ``batch`` (none done), read back: each one's commit."""
         return self.resolve(self.dispatch(batch))
 
+    def fit(self, batch: Seq[Sequence]) -> List[Sequence]:
+        """The sequences of ``batch`` (in priority order) that the next pass takes: all of them,
+        unless a sequence's whole block (``Sequence.whole_block``) would take the pass past the row
+        limit: then it and those after it that would not fit sit this cycle out (the caller puts
+        them first next time). The others' blocks are cut to fit (``plan_blocks``)."""
+        going: List[Sequence] = []
+        need = self.min_rows
+        for seq in batch:
+            block = seq.whole_block if self.draft is not None else None
+            rows = max(need, block or 1)
+            if (len(going) + 1) * rows <= self.row_limit or not going:
+                going.append(seq)
+                need = rows
+        return going
+
     def dispatch(self, batch: Seq[Sequence], undoable: bool = False) -> Pass:
         """Plan, draft and verify, queued: nothing is read back. ``undoable``: keep what ``undo``
-        needs."""
+        needs. ``batch`` must fit one pass (``fit``)."""
         started = time.perf_counter()
         steps = self._plan(batch)
         rows = max(max(s.block for s in steps), self.min_rows)
@@ -198,7 +229,8 @@ class Decoder:
             fed.append(tokens if tokens.size == rows else mx.concatenate([tokens, mx.repeat(tokens[-1:], rows - tokens.size)]))
             step.undo = snapshot(seq.cache) if undoable else None
         self.rows = len(batch) * rows
-        cache = batch[0].cache if len(batch) == 1 else batch_view([seq.cache for seq in batch])
+        own = [max(step.block, self.min_rows) for step in steps]  # what each one's attention takes
+        cache = batch[0].cache if len(batch) == 1 else batch_view([seq.cache for seq in batch], own)
         logits, features = self.target.forward(mx.stack(fed), cache, self.taps, record_tape=rows > 1)
         for i, (seq, step) in enumerate(zip(batch, steps)):
             if step.block == 1:
@@ -206,7 +238,7 @@ class Decoder:
             else:
                 step.accepted, step.next_token = accept(logits[i, : step.block], step.proposals, step.draft_probs, seq.sampler)
         mx.async_eval([s.outputs for s in steps])
-        return Pass(list(batch), steps, rows, logits, features, started)
+        return Pass(list(batch), steps, rows, own, logits, features, started)
 
     def resolve(self, p: Pass, since: Optional[float] = None, dropped: Container[int] = ()) -> List[Optional[Commit]]:
         """Read the cycle back (its one host synchronisation), roll each sequence back to what it
@@ -226,7 +258,7 @@ class Decoder:
         going = [i for i in range(len(p.batch)) if i not in dropped]
         accepted = {i: 0 if p.steps[i].accepted is None else p.steps[i].accepted.item() for i in going}
         if p.rows > 1:
-            rollback_batch([p.batch[i].cache for i in going], p.rows, [accepted[i] + 1 for i in going])
+            rollback_batch([p.batch[i].cache for i in going], [p.own[i] for i in going], [accepted[i] + 1 for i in going])
         features = {i: p.features[i : i + 1, : accepted[i] + 1] if self.taps else None for i in going}
         drafted = [i for i in going if p.steps[i].block > 1]
         if drafted:
@@ -263,7 +295,8 @@ class Decoder:
         for seq in batch:
             block = seq.chooser.choose() if self.draft is not None else 1
             wanted.append(block if seq.budget.left is None else min(block, seq.budget.left))
-        _, blocks = plan_blocks(wanted, self.row_limit)
+        whole = [self.draft is not None and seq.whole_block is not None for seq in batch]
+        _, blocks = plan_blocks(wanted, self.row_limit, whole)
         steps = []
         for seq, block in zip(batch, blocks):
             ahead = seq.chooser.shadow_tokens() if block == 1 and self.draft is not None else 0

@@ -6,11 +6,20 @@ kept by reference, no copy) at chosen prompt positions, and the live state after
 A new prompt restarts from the longest checkpoint inside the prefix it shares with the cached
 tokens and prefills only the rest: the same computation a fresh run does, split elsewhere.
 
+A resumed request is bit for bit the request run from scratch, by construction: a checkpoint
+is a state the prefill passed through at one of its own chunk boundaries, which lie on the
+recurrence's 64-token grid (``cache.GRID``), where a boundary changes no bits; so a prompt
+resumed there feeds the rest in the chunks a prefill from scratch would. The one checkpoint off
+the grid is the one before a prompt's last token (which a prefill always feeds alone): it serves
+only a prompt of that same length (a resend). A state a decode cycle left (after an answer) is
+never resumed from: a prefill of those tokens would round otherwise, and the answer would depend on
+what the cache held; the tokens after the last checkpoint are prefilled again.
+
 Where the checkpoints go: with a budget of C, a prefill of an L-token prompt checkpoints every
-ceil(L/C) tokens, so a change at any position p reuses at least p - L/C tokens, plus where the
-request asks (before its last token, for a resend; where the next chat turn will differ). When a
-later prompt adds checkpoints past the budget, the set is thinned to the one whose largest gap
-is smallest. ``PromptCachePool`` keeps several histories (a chat and an editor's completions, two
+ceil(L/C) tokens, rounded up to the grid, so a change at any position p reuses at least
+p - L/C - 64 tokens, plus where the request asks (on the grid at or before it: where the next chat
+turn will differ) and before its last token (a resend). When a later prompt adds checkpoints past
+the budget, the set is thinned to the one whose largest gap is smallest. ``PromptCachePool`` keeps several histories (a chat and an editor's completions, two
 projects) under one memory budget, least recently used first out.
 """
 
@@ -22,7 +31,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from .cache import GatedDeltaCache, cache_arrays
+from .cache import GRID, GatedDeltaCache, cache_arrays, features_from, on_grid
 
 CHECKPOINTS = 8  # spread over a prompt: about 50 MB each for the 9B target (24 Gated DeltaNet layers)
 
@@ -59,20 +68,19 @@ class PromptCache:
             shared += 1
         return shared
 
-    def _live_is_consistent(self) -> bool:
-        """A generation stopped mid-step (Ctrl-C inside a cycle) can leave the live caches ahead of
-        the recorded tokens: then only the checkpoints are trustworthy."""
-        return self.cache is not None and all(c.offset == len(self.tokens) for c in self.cache + (self.draft_cache or []))
+    def restart_point(self, shared: int, length: int) -> int:
+        """The longest usable state within the first ``shared`` tokens of a prompt of ``length``
+        tokens (0: none): a checkpoint on the grid, or the one before the prompt's last token."""
+        return max([p for p in self.checkpoints if p <= shared and (p % GRID == 0 or p == length - 1)], default=0)
 
-    def restart_point(self, shared: int) -> int:
-        """The longest usable state within the first ``shared`` tokens (0: none)."""
-        live = len(self.tokens) if self._live_is_consistent() and 0 < len(self.tokens) <= shared else 0
-        return max([p for p in self.checkpoints if p <= shared] + [live])
-
-    def _states_at(self, start: int) -> list:
-        """The Gated DeltaNet states after the first ``start`` tokens (a ``restart_point``)."""
-        live = start == len(self.tokens) and self._live_is_consistent()
-        return self._gdn_states() if live else self.checkpoints[start]
+    def _draft_resumes(self, start: int, length: int) -> bool:
+        """Rewind the draft's caches to ``start`` if they then hold every context row that a
+        prefill of the ``length``-token prompt from scratch would give them (a window's rows
+        before ``start`` included); False (nothing rewound) if not."""
+        first = features_from(self.draft_cache, length)
+        reading = [c for c in self.draft_cache if not c.reads_no_context]
+        holds = start <= first or all(c.start <= first for c in reading)
+        return holds and all(c.start <= start <= c.offset for c in reading) and all(c.rewind(start) for c in self.draft_cache)
 
     def checkpoint(self, position: int) -> None:
         """Remember the Gated DeltaNet states of the first ``position`` cached tokens (the live
@@ -84,15 +92,24 @@ class PromptCache:
         """Make the caches hold a prefix of ``prompt``; returns its length (0 when starting over).
         ``wanted``: prompt positions this request wants a checkpoint at (kept through thinning)."""
         owner = (id(target), id(draft))
-        start = self.restart_point(self.shared_prefix(prompt)) if self.owner == owner else 0
-        if start == 0 or (draft is not None and not all(c.rewind(start) for c in self.draft_cache)):
+        shared = self.shared_prefix(prompt)
+        start = self.restart_point(shared, len(prompt)) if self.owner == owner else 0
+        if start and draft is not None and not self._draft_resumes(start, len(prompt)):
+            # The draft's window has moved past what this prompt needs (the history went on further
+            # than the prompt shares): a fresh draft cache, which the prefill fills from where one
+            # from scratch would start feeding it, and the target from its last checkpoint before.
+            self.draft_cache = draft.make_cache(draft_window)
+            start = self.restart_point(min(shared, features_from(self.draft_cache, len(prompt))), len(prompt))
+            for c in self.draft_cache:
+                c.advance(start)
+        if start == 0:
             self.reset()
             self.owner = owner
             self.cache = target.make_cache()
             self.draft_cache = draft.make_cache(draft_window) if draft is not None else None
             start = 0
         else:
-            states = iter(self._states_at(start))
+            states = iter(self.checkpoints[start])
             for c in self.cache:
                 if isinstance(c, GatedDeltaCache):
                     c.conv_state, c.state = next(states)
@@ -101,15 +118,19 @@ class PromptCache:
                     c.trim(c.offset - start)
             self.tokens = self.tokens[:start]
             self.checkpoints = {p: s for p, s in self.checkpoints.items() if p <= start}
-        step = math.ceil(len(prompt) / self.evenly_spaced)
+        step = GRID * math.ceil(len(prompt) / (self.evenly_spaced * GRID))
         # The request's own checkpoints stay through thinning, also those it restarts from: else
         # resending the same prompt twice could thin away the point the third send needs.
-        self.pinned = {p for p in (*wanted, len(prompt) - 1) if 0 < p < len(prompt) and (p >= start or p in self.checkpoints)}
-        if start in self.pinned and start not in self.checkpoints:
-            self.checkpoint(start)  # restarting from the live state, which this prefill moves on
+        self.pinned = {p for p in (*map(on_grid, wanted), len(prompt) - 1)
+                       if 0 < p < len(prompt) and (p >= start or p in self.checkpoints)}
         self._plan = {p for p in (*(j * step for j in range(1, self.evenly_spaced)), *self.pinned) if start < p < len(prompt)}
         self._prompt = list(prompt)
         return start
+
+    @property
+    def prompt_length(self) -> int:
+        """Tokens of the last prompt prepared on this history (what the pool weighs a match against)."""
+        return len(self._prompt) or len(self.tokens)
 
     def split_points(self) -> List[int]:
         """Where the prefill of the prepared prompt must stop for a checkpoint (absolute positions)."""
@@ -147,15 +168,16 @@ class PromptCache:
     def nbytes(self) -> int:
         return _unique_bytes(self.arrays())
 
-    def fork(self, shared: int) -> Optional["PromptCache"]:
+    def fork(self, shared: int, length: int) -> Optional["PromptCache"]:
         """A new history holding this one's longest usable prefix within ``shared`` tokens, for a
-        prompt that would otherwise wipe this one. Arrays are sliced, never mutated in place (MLX
-        slice assignment rewrites the array object itself). None if nothing is usable."""
-        start = self.restart_point(shared)
+        prompt of ``length`` tokens that would otherwise wipe this one. Arrays are sliced, never
+        mutated in place (MLX slice assignment rewrites the array object itself). None if nothing
+        is usable."""
+        start = self.restart_point(shared, length)
         draft_cache = [c.fork(start) for c in self.draft_cache] if self.draft_cache is not None else None
         if start == 0 or (draft_cache is not None and None in draft_cache):
             return None
-        states = iter(self._states_at(start))
+        states = iter(self.checkpoints[start])
         new = PromptCache(self.evenly_spaced)
         new.owner, new.tokens, new.draft_cache = self.owner, self.tokens[:start], draft_cache
         new.checkpoints = {p: s for p, s in self.checkpoints.items() if p <= start}
@@ -217,8 +239,10 @@ class PromptCachePool:
     editor's completions) do not wipe each other's caches.
 
     A prompt goes to the history it shares the longest prefix with. If that prefix is under half
-    of the history (another file, another conversation with the same system prompt), the history
-    is forked at it instead, so both stay. After each generation the least recently used
+    of the history's last prompt (another file, another conversation with the same system prompt),
+    the history is forked at it instead, so both stay. (Half of the prompt, not of the history: a
+    short prompt resent after a long answer shares its whole prompt, and forked every time it grew
+    the pool by one history a send.) After each generation the least recently used
     histories go until the pool fits ``budget_bytes``; the one just used always stays.
     """
 
@@ -235,10 +259,10 @@ class PromptCachePool:
         it best gets a fork at the shared prefix (its arrays are never written in place)."""
         best = max(self.histories, key=lambda h: h.shared_prefix(prompt), default=None)
         shared = best.shared_prefix(prompt) if best is not None else 0
-        if best is not None and shared > 0 and 2 * shared >= len(best.tokens) and best not in self.busy:
+        if best is not None and shared > 0 and 2 * shared >= best.prompt_length and best not in self.busy:
             chosen = best
         else:
-            chosen = (best.fork(shared) if best is not None and shared > 0 else None) or PromptCache(self.checkpoints)
+            chosen = (best.fork(shared, len(prompt)) if best is not None and shared > 0 else None) or PromptCache(self.checkpoints)
         if chosen in self.histories:
             self.histories.remove(chosen)
         self.histories.append(chosen)

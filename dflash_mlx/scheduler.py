@@ -76,6 +76,7 @@ class BatchRequest:
     _to_feed: int = 0  # prompt tokens its prefill feeds (those the prompt cache does not hold)
     _left: int = 0  # of which still to feed (0: its next prefill step samples the first token)
     _leaving: bool = False  # finished while its next cycle is in flight: leaves when it is read back
+    _sat_out: int = 0  # cycles in a row it sat out (a batch-mate's whole block filled the pass): it goes first
 
 
 @dataclass(eq=False)
@@ -224,8 +225,13 @@ class Scheduler:
             if not batch:
                 continue
             decoder = self._decoder(use_draft)
+            batch.sort(key=lambda r: -r._sat_out)  # stable: otherwise in arrival order
+            going = decoder.fit([r._sequence for r in batch])
+            for r in batch:
+                r._sat_out = 0 if r._sequence in going else r._sat_out + 1
+            batch = [r for r in batch if r._sat_out == 0]
             try:
-                cycle = decoder.dispatch([r._sequence for r in batch], undoable=True)
+                cycle = decoder.dispatch(going, undoable=True)
             except Exception as e:  # the whole batch's caches are in doubt: every request in it fails
                 self._fail(batch, e)
                 continue

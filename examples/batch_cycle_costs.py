@@ -82,7 +82,7 @@ def layer_costs(model, prompts, count: int, block: int, passes: int):
     for _ in range(passes):
         saved = [snapshot(s.cache) for s in batch]
         mx.eval([cache_arrays(s.cache) for s in batch])
-        cache = batch[0].cache if count == 1 else batch_view([s.cache for s in batch])
+        cache = batch[0].cache if count == 1 else batch_view([s.cache for s in batch], [block] * count)
         h = model.target.embed_tokens(tokens)
         mx.eval(h)
         for i, (layer, c) in enumerate(zip(model.target.layers, cache)):

@@ -227,7 +227,7 @@ def test_a_request_sent_round_a_pipeline_decodes_on_the_last_rank_as_here(pair):
     ids = encode_prompt(tokenizer, "def fibonacci(n):")
     for use_draft, block in ((True, 4), (False, "auto")):
         sampler = Sampler(1.5, top_p=0.95, top_k=50, min_p=0.01)
-        here = DecodeRequest(ids, 24, block, sampler.for_request(11), 11, use_draft, 5, set(tokenizer.eos_token_ids))
+        here = DecodeRequest(ids, 24, block, sampler.for_request(11), 11, use_draft, 64, set(tokenizer.eos_token_ids))
         sent = DecodeRequest.from_message(json.loads(json.dumps(here.message())))
         assert sent.sampler.settings() == sampler.settings()
         assert tokens(sent) == tokens(here)

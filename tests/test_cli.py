@@ -86,15 +86,18 @@ def turn(child, text):
 
 def test_chat_turns_reuse_the_cache_and_reset_forgets(pair):
     child = spawn_chat(pair, "--max-tokens", "20")
-    tokens, new1, cached = turn(child, "def fibonacci(n):")
+    question = "def fibonacci(n): " + "# a note on the sequence " * 8
+    tokens, new1, cached = turn(child, question)
     assert cached == 0 and 0 < tokens <= 20
     tokens, new2, cached2 = turn(child, "class Stack:")
-    # Turn 2 prefills only what is new: at least the first turn up to its generation prompt (the
-    # template may render the answer differently in history) comes from the cache.
+    # Turn 2 prefills only what is new: the first turn up to the last 64-token checkpoint before its
+    # generation prompt (the template may render the answer differently in history; the answer's
+    # states came from decoding, and are prefilled again) comes from the cache.
     tokenizer = load(str(pair[0]))[1]
-    first = [{"role": "user", "content": "def fibonacci(n):"}]
+    first = [{"role": "user", "content": question}]
     prompt1 = tokenizer.apply_chat_template(first, add_generation_prompt=True)
-    assert len(tokenizer.apply_chat_template(first, add_generation_prompt=False)) <= cached2 <= len(prompt1) + tokens
+    stable = len(tokenizer.apply_chat_template(first, add_generation_prompt=False))
+    assert 0 < stable // 64 * 64 <= cached2 <= len(prompt1) + tokens
     child.sendline("/stats")
     child.expect(r"2 turns, \d+ tokens")
     child.expect(">>> ")
@@ -115,9 +118,10 @@ def test_chat_turns_reuse_the_cache_and_reset_forgets(pair):
 @pytest.mark.slow  # a chat session in a pseudo-terminal
 def test_ctrl_c_stops_the_answer_and_keeps_the_session(endless_pair):
     child = spawn_chat(endless_pair, "--max-tokens", "100000")
-    first_cached = interrupted_turn(child, "tell me everything")
+    first_cached = interrupted_turn(child, "tell me everything " + "about the fox " * 30)
     assert first_cached == 0
-    assert interrupted_turn(child, "shorter please") > 0  # the stopped turn is in the history and its cache is reused
+    # The stopped turn is in the history and its cache is reused (up to its last 64-token checkpoint).
+    assert interrupted_turn(child, "shorter please") > 0
     child.sendline("/exit")
     child.expect(pexpect.EOF)
     child.close()
@@ -145,7 +149,7 @@ def test_a_follow_up_turn_equals_a_fresh_run_on_the_whole_conversation(pair):
     generation = dict(max_tokens=24, block_tokens=4)
     session = ChatSession(model, tokenizer, system="be brief", generation=generation)
     with open(os.devnull, "w") as devnull:
-        session.ask("def fibonacci(n):", out=devnull)
+        session.ask("def fibonacci(n): " + "# a note on the sequence " * 8, out=devnull)
         messages = session.messages("class Stack:")
         second = session.ask("class Stack:", out=devnull)
     assert second.cached_prompt_tokens > 0

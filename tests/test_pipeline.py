@@ -142,9 +142,10 @@ def _spec_and_answers(pair, emulated: bool = False):
         for block in ("4",) if emulated else ("4", "auto", "1"):
             runs.append(dict(prompt=prompt, max_tokens=16, block_tokens=block, temp=0.0, seed=None, sequence=greedy))
     if not emulated:
-        # The prefill chunked through the pipeline: 13 tokens, then 1 (a chunk that looks like a decode step).
+        # The prefill chunked through the pipeline at the smallest step: 13 tokens, then the last alone (a
+        # chunk that looks like a decode step).
         assert len(prompts[0]) == 14
-        runs.append(dict(prompt=prompts[0], max_tokens=8, block_tokens="4", temp=0.0, seed=None, prefill_step_size=13,
+        runs.append(dict(prompt=prompts[0], max_tokens=8, block_tokens="4", temp=0.0, seed=None, prefill_step_size=64,
                          sequence=prompts[0] + answer(prompts[0], 40, 1)))
         for seed in (3, 4):
             runs.append(dict(prompt=prompts[0], max_tokens=12, block_tokens="4", temp=1.0, seed=seed))

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from dflash_mlx.cache import cache_arrays
-from dflash_mlx.models import qwen3_5
+from dflash_mlx.models import layers  # the cached attention every target family shares
 from dflash_mlx.prefill import default_prefill_step, prefill
 
 
@@ -24,10 +25,10 @@ def test_row_blocks_are_the_whole_chunk(target, monkeypatch):
         cache = target.make_cache()
         return prefill(target, tokens, cache, 128), cache_arrays(cache)
 
-    monkeypatch.setattr(qwen3_5, "SCORE_ELEMENTS", 1)  # the fewest rows a block
-    assert qwen3_5.attention_rows(target.args.num_attention_heads, 128, 300) == qwen3_5.SCORE_ROWS_ALIGN
+    monkeypatch.setattr(layers, "SCORE_ELEMENTS", 1)  # the fewest rows a block
+    assert layers.attention_rows(target.args.num_attention_heads, 128, 300) == layers.SCORE_ROWS_ALIGN
     blocks, block_caches = run()
-    monkeypatch.setattr(qwen3_5, "attention_rows", lambda *_: None)
+    monkeypatch.setattr(layers, "attention_rows", lambda *_: None)
     whole, whole_caches = run()
     assert mx.array_equal(blocks, whole).item()
     assert len(block_caches) == len(whole_caches)
@@ -55,8 +56,8 @@ def test_the_last_token_goes_alone(target, monkeypatch):
     calls = []
     forward = type(target).forward
     monkeypatch.setattr(type(target), "forward", lambda self, x, *a, **k: calls.append(x.shape[1]) or forward(self, x, *a, **k))
-    prefill(target, prompt(300, seed=2), target.make_cache(), 128, split_at=[200])
-    assert calls == [128, 72, 56, 43, 1]  # ends 128, 200 (the split), 256, 299, 300
+    prefill(target, prompt(300, seed=2), target.make_cache(), 128, split_at=[192])
+    assert calls == [128, 64, 64, 43, 1]  # ends 128, 192 (the split), 256, 299, 300
     calls.clear()
     prefill(target, prompt(1), target.make_cache(), 128)
     assert calls == [1]
@@ -79,7 +80,7 @@ def test_prefill_memory_is_bounded_by_the_chunk(target, monkeypatch):
     """The working memory of a prefill (its peak above the caches it leaves) does not grow with
     the prompt: 4096 tokens need no more than 1024 in chunks of 512; and the caches hold nothing
     but their own arrays (no chunk's buffer kept alive by a slice)."""
-    monkeypatch.setattr(qwen3_5, "SCORE_ELEMENTS", 1 << 18)
+    monkeypatch.setattr(layers, "SCORE_ELEMENTS", 1 << 18)
     short, short_extra = _transient(target, 1024, 512)
     long, long_extra = _transient(target, 4096, 512)
     assert long < 1.25 * short + (256 << 10), (short, long)
@@ -118,14 +119,15 @@ def test_a_windowed_draft_is_fed_only_the_features_it_keeps(target, draft, monke
         return calls, cache, first.tokens
 
     calls, cache, first = run(skip=True)
-    assert calls[:4] == [(128, False), (128, False), (4, False), (39, True)] and calls[4] == (1, True), calls
+    # The window's 40 positions start at 260: features from the grid position before it, 256.
+    assert calls[:3] == [(128, False), (128, False), (43, True)] and calls[3] == (1, True), calls
     _, full, first_full = run(skip=False)
     assert first == first_full and cache[0].offset == full[0].offset == 300
     for c, f in zip(cache, full):
         used, used_full = c.offset - c.start, f.offset - f.start
-        assert used == window <= used_full
-        np.testing.assert_allclose(np.array(c.keys[..., :used, :]), np.array(f.keys[..., used_full - window : used_full, :]),
-                                   atol=1e-5, rtol=0)
+        assert window <= used < window + 64 and used <= used_full  # the window, from the grid before it
+        np.testing.assert_allclose(np.array(c.keys[..., used - window : used, :]),
+                                   np.array(f.keys[..., used_full - window : used_full, :]), atol=1e-5, rtol=0)
     alone = [c.tokens[0] for c in loop.target_only(target, tokens, Sampler(), max_tokens=12)]
     windowed = [t for c in loop.speculative(target, draft, tokens, Sampler(), 4, draft_window=window, max_tokens=12)
                 for t in c.tokens]
@@ -149,8 +151,8 @@ def test_chunk_sizes_that_keep_the_recurrences_chunks_give_the_same_bits(target,
     """On the CPU a prompt prefilled in chunks of 512, 256 or 128 tokens (multiples of the
     recurrence's 64-token chunk) leaves the target's and the draft's caches and the first token
     exactly as 2048 does (the scheduler prefills in 512-token chunks, the single stream in 2048);
-    a chunk of 100 moves the recurrence's chunk boundaries and changes the bits (the test's
-    sensitivity)."""
+    a boundary at 100 moves the recurrence's chunk boundaries and changes the bits (why a chunk of
+    100, or a boundary off the grid, is refused)."""
     from dflash_mlx.decoder import Decoder
     from dflash_mlx.sampling import Sampler
 
@@ -169,5 +171,12 @@ def test_chunk_sizes_that_keep_the_recurrences_chunks_give_the_same_bits(target,
     for step in (512, 256, 128):
         got, token = prefilled(step)
         assert token == first and all(mx.array_equal(a, b).item() for a, b in zip(got, want)), step
-    got, _ = prefilled(100)
-    assert not all(mx.array_equal(a, b).item() for a, b in zip(got, want))
+    with pytest.raises(ValueError, match="prefill_step_size must be a positive multiple of 64.*got 100"):
+        prefilled(100)
+    with pytest.raises(ValueError, match=r"prefill boundaries \[100\] \(after 0 cached tokens\) are off the 64-token grid"):
+        prefill(target, prompt, target.make_cache(), 128, split_at=[100])
+    split, whole = target.make_cache(), target.make_cache()  # what such a boundary would do
+    target.forward(prompt[None, :100], split)
+    target.forward(prompt[None, 100:], split)
+    target.forward(prompt[None], whole)
+    assert not all(mx.array_equal(a, b).item() for a, b in zip(cache_arrays(split), cache_arrays(whole)))

@@ -83,7 +83,8 @@ def test_a_function_call_round_trip_reuses_the_cache(client):
              {"type": "function_call_output", "call_id": call.call_id, "output": "18C, sunny"}]
     second = create(client, input=items)
     assert second.usage.input_tokens > first.usage.input_tokens
-    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 1
+    # The first prompt up to its last 64-token checkpoint (the answer's states came from decoding: prefilled again).
+    assert second.usage.input_tokens_details.cached_tokens >= (first.usage.input_tokens - 1) // 64 * 64
 
 
 def test_without_tools_the_answer_is_a_message(client):

@@ -169,13 +169,17 @@ def cached_attention(queries: mx.array, keys: mx.array, values: mx.array, cache,
     """Causal attention of rotated ``queries`` [B, H, T, D] over ``cache`` (mlx-lm's ``KVCache``;
     None: no cache) extended by the pass's ``keys`` and ``values`` [B, Hkv, T, D]. A batch of
     several sequences' caches (``cache.KVBatch``: ``members``) runs each row over its own cache, as
-    alone; a prefill chunk on the CPU goes in row blocks (``attention_rows``)."""
+    alone, with its own queries only (``cache.rows``: the padding after them neither enters its
+    cache nor makes the call longer, which on a GPU would pick another kernel; its output rows are
+    zeros); a prefill chunk on the CPU goes in row blocks (``attention_rows``)."""
     members = getattr(cache, "members", None)
     if members is not None:  # a batch (cache.KVBatch): each row over its own cache, as alone
-        streams, heads = side_streams(), []
-        for i, c in enumerate(members):
+        streams, heads, T = side_streams(), [], queries.shape[2]
+        for i, (c, n) in enumerate(zip(members, cache.rows)):
             with mx.stream(streams[i % len(streams)]):
-                heads.append(cached_attention(queries[i : i + 1], keys[i : i + 1], values[i : i + 1], c, scale))
+                head = cached_attention(queries[i : i + 1, :, :n], keys[i : i + 1, :, :n], values[i : i + 1, :, :n], c,
+                                        scale)
+                heads.append(head if n == T else mx.pad(head, [(0, 0), (0, 0), (0, T - n), (0, 0)]))
         return mx.concatenate(heads)
     if cache is not None:
         keys, values = cache.update_and_fetch(keys, values)
