@@ -116,3 +116,22 @@ def test_the_tokens_of_one_cycle_wake_the_loop_once_and_reach_the_client_as_one_
     (_, joined), (_, last) = events[0], events[1]
     assert (joined.text, joined.generation_tokens) == ("def f(x):", 4)
     assert (last.text, last.generation_tokens, last.finish_reason) == ("\n", 5, "stop")
+
+
+def test_a_job_the_worker_cannot_schedule_fails_alone_and_the_worker_serves_on(engine):
+    """A job whose options the scheduler cannot take (a bug in a route, say) is answered with an
+    error, and the worker goes on: the next request is served (before, the worker's thread died
+    and every later request waited for ever)."""
+    before = engine.metrics.errors
+    bounded = lambda events: asyncio.run(asyncio.wait_for(events, 60))  # a dead worker answers nothing
+    assert bounded(_events(engine, [5, 6, 7], no_such_option=1)) == ["error", "done"]
+    assert engine.metrics.errors == before + 1 and not engine.jobs
+    assert bounded(_events(engine, [5, 6, 7])).count("token") == 8
+
+
+def test_one_engine_whatever_the_concurrency(engine):
+    """``--max-concurrent 1`` runs its requests through the same scheduler as 4 (one at a time):
+    a request is the same computation whatever the server's concurrency."""
+    one = Engine(engine.model, engine.tokenizer, "tiny", max_tokens_cap=64, max_concurrent=1)
+    assert one.scheduler is not None and one.scheduler.max_active == 1
+    assert engine.scheduler is not None and engine.scheduler.max_active == 4

@@ -572,6 +572,23 @@ anthropic_fields = fields | st.fixed_dictionaries(
 )
 
 
+def stream_errors(response) -> list:
+    """The error events of a streamed answer, read to its end (an answer that fails after its
+    headers is still a 200): OpenAI's ``data: {"error": ...}``, the Responses and Messages APIs'
+    ``error`` events."""
+    if not response.headers.get("content-type", "").startswith("text/event-stream"):
+        return []
+    errors = []
+    for line in response.text.splitlines():
+        if line.startswith("event: error"):
+            errors.append(line)
+        elif line.startswith("data: {"):
+            event = json.loads(line[len("data: "):])
+            if event.get("error") is not None:
+                errors.append(event)
+    return errors
+
+
 @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=fields, endpoint=st.sampled_from(["chat/completions", "completions", "responses"]))
 def test_fuzzed_requests_never_get_a_server_error(server, body, endpoint):
@@ -579,6 +596,7 @@ def test_fuzzed_requests_never_get_a_server_error(server, body, endpoint):
     assert r.status_code < 500, (body, r.text)
     if r.status_code != 200:
         assert set(r.json()["error"]) >= {"message", "type"}
+    assert not stream_errors(r), (body, r.text)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
@@ -588,6 +606,7 @@ def test_fuzzed_messages_requests_never_get_a_server_error(server, body, endpoin
     assert r.status_code < 500, (body, r.text)
     if r.status_code != 200:
         assert r.json()["type"] == "error" and set(r.json()["error"]) >= {"message", "type"}
+    assert not stream_errors(r), (body, r.text)
 
 
 def test_openapi_schema_and_survival(server):

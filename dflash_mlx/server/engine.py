@@ -359,7 +359,10 @@ class Engine:
         self.ignored_fields = IgnoredFields()  # what requests sent that is ignored, logged once per route at WARNING
         self.keepalive_seconds = KEEPALIVE_SECONDS
         self._names_seen: set = set()
-        self.scheduler = Scheduler(model, tokenizer, max_concurrent, self.prompt_caches) if max_concurrent > 1 else None
+        # One engine for every request of a model held here, one at a time or several: the scheduler
+        # (a request at --max-concurrent 1 is the same computation as at 4). A pipelined target's
+        # ranks run one request in lockstep: it runs each through stream_generate (``_run``).
+        self.scheduler = Scheduler(model, tokenizer, max_concurrent, self.prompt_caches) if model.runner.batches else None
         # Last: the worker uses every field above.
         work = self._work if self.scheduler is None else self._schedule
         threading.Thread(target=work, name="dflash-generate", daemon=True).start()
@@ -461,8 +464,10 @@ class Engine:
             self._run(self.pending.get())
 
     def _schedule(self) -> None:
-        """The worker with ``max_concurrent`` > 1: new jobs join the scheduler between rounds (it
-        waits for one only when idle); each round is a prefill chunk and a batched cycle."""
+        """The worker of a model held here: new jobs join the scheduler between rounds (it waits
+        for one only when idle); each round is a prefill chunk and a batched cycle. A job that
+        cannot be made a request fails alone; a round that fails fails the requests in it, and the
+        worker serves on."""
         scheduler = self.scheduler
         while True:
             jobs = [self.pending.get()] if scheduler.idle else []
@@ -472,7 +477,12 @@ class Engine:
                 except queue.Empty:
                     break
             for job in jobs:
-                scheduler.submit(self._request(job))
+                try:
+                    scheduler.submit(self._request(job))
+                except Exception as e:
+                    LOG.exception("cannot schedule a generation")
+                    self._failed(job, f"{type(e).__name__}: {e}")
+                    self._release(job, None)
             try:
                 scheduler.step()
             except Exception:  # a bug outside any one request: fail them all rather than stop serving
