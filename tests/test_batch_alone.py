@@ -105,11 +105,11 @@ def check(model, tokenizer, specs, arrivals, rules, pool=None, max_active=4):
 def long_answers(demo):
     """Four requests whose answers run to max_tokens, and their texts alone (a stop string's source)."""
     model, tokenizer = demo
-    specs = [dict(prompt=chat(i, 300), max_tokens=48, block_tokens=4) for i in range(4)]
+    specs = [dict(prompt=chat(i, 160), max_tokens=28, block_tokens=4) for i in range(4)]
     texts = []
     for spec in specs:
         out = run(model, tokenizer, [spec], [0], RULES["cpu rules"], max_active=1)[0]
-        assert len(out) == 48
+        assert len(out) == 28
         texts.append(tokenizer.decode([t for t, _ in out]))
     return specs, texts
 
@@ -126,9 +126,9 @@ def test_a_request_leaving_from_any_row_leaves_its_batch_mates_as_alone(demo, lo
     specs = [dict(s) for s in specs]
     leaving = specs[position]
     if kind == "cancel":
-        leaving["cancel_after"] = 7
+        leaving["cancel_after"] = 6
     elif kind == "stop":
-        leaving["stop"] = [texts[position][20:24]]
+        leaving["stop"] = [texts[position][12:16]]
     else:
         leaving["max_tokens"] = 9
     check(model, tokenizer, specs, [0, 0, 0, 0], rules)

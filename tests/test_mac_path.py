@@ -252,19 +252,18 @@ def test_the_mlx_range_is_the_one_the_stock_dispatch_table_was_read_from():
 @pytest.mark.slow  # doctor, the kernels' tests, cycle costs and bench of the demo pair, in subprocesses
 def test_the_mac_report_runs_here_and_archives_every_part(tmp_path):
     out = tmp_path / "report"
-    done = subprocess.run(["bash", str(ROOT / "tools" / "mac-report.sh"), "--quick", "--blocks", "2 4", "--out", str(out)],
+    done = subprocess.run(["bash", str(ROOT / "tools" / "mac-report.sh"), "--quick", "--blocks", "2", "--out", str(out)],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     summary = (out / "summary.md").read_text()
     parts = [line.split("|")[1].strip() for line in summary.splitlines() if line.startswith("| ") and "`" in line]
-    assert parts == ["machine", "doctor", "doctor (pair)", "kernel-checks", "cycle costs, block 2", "cycle costs, block 4",
-                     "bench"], summary
+    assert parts == ["machine", "doctor", "doctor (pair)", "kernel-checks", "cycle costs, block 2", "bench"], summary
     assert "Every part exited 0." in summary
     assert "mlx " in (out / "machine.txt").read_text()
     assert json.loads((out / "doctor-pair.json").read_text())["ok"]
     checks = (out / "kernel-checks.txt").read_text()
     assert ("skipped" in checks and "needs an Apple GPU" in checks) if not METAL else " passed" in checks
-    for block in (2, 4):
+    for block in (2,):
         assert re.search(r"^\| 256 \|", (out / f"cycle-costs-b{block}.txt").read_text(), re.M)
     bench = json.loads((out / "bench.json").read_text())
     assert bench and "mlx-lm" in (out / "bench.txt").read_text()
