@@ -249,3 +249,25 @@ def test_a_nested_schema_draft_for_a_moe_target_converts_and_is_lossless(tmp_pat
         for block in (4, 8):
             got, _ = take(speculative(model.target, model.draft, prompt, GREEDY, block_tokens=block), 20)
             assert_lossless(model.target, prompt, expected, got)
+
+
+def test_a_verify_pass_takes_one_expert_gather_path_whatever_its_rows(tmp_path, monkeypatch):
+    """mlx-lm's SwitchGLU sorts a call's tokens once it has 64 expert indices, which on a Mac moves
+    the experts from ``gather_qmv`` to sorted ``gather_qmm``: a batch-mate's rows could move a
+    sequence across that line. With eight experts a token, a verify pass of up to 16 rows (a GPU
+    batch's limit) never sorts (one path, a decode step's); a prefill chunk sorts."""
+    from mlx_lm.models import switch_layers
+
+    target, _ = load_target(make_hf_moe_target(tmp_path / "moe8", num_experts_per_tok=8))
+    seen = []
+    real = switch_layers.SwitchLinear.__call__
+    monkeypatch.setattr(switch_layers.SwitchLinear, "__call__",
+                        lambda self, x, indices, sorted_indices=False: seen.append(sorted_indices)
+                        or real(self, x, indices, sorted_indices))
+    tokens = mx.array(np.arange(40) % (VOCAB - 1))
+    for batch, rows in ((1, 1), (1, 8), (2, 8), (4, 4)):  # 8 to 128 indices a call
+        mx.eval(target(mx.stack([tokens[:rows]] * batch)))
+        assert seen and not any(seen), (batch, rows)
+        seen.clear()
+    mx.eval(target(tokens[None, :40]))
+    assert seen and all(seen)

@@ -465,8 +465,29 @@ class SparseMoe(nn.Module):
         """The routed experts' outputs, weighted and summed, in ``x``'s dtype."""
         indices, weights = self.route(x)
         experts_in = x.astype(mx.float32) if self.float32_experts else x
-        y = self.switch_mlp(experts_in, indices)
+        y = self.switch(experts_in, indices, sort=x.size // x.shape[-1] > ROW_INDEPENDENT_ROWS)
         return (y * weights[..., None].astype(y.dtype)).sum(axis=-2).astype(x.dtype)
+
+    def switch(self, x: mx.array, indices: mx.array, sort: bool) -> mx.array:
+        """mlx-lm's ``SwitchGLU`` call, with its token sort decided by the pass, not by the index
+        count: mlx-lm sorts once a call has 64 expert indices, which moves a verify pass from
+        ``gather_qmv`` to sorted ``gather_qmm`` on a Mac, and a batch-mate's rows can cross that
+        line. Verify passes (up to ``ROW_INDEPENDENT_ROWS`` rows) never sort, so a sequence's
+        experts run one gather path whatever its batch-mates; a prefill chunk sorts (its rows are
+        the prompt's own)."""
+        mlp = self.switch_mlp
+        x = mx.expand_dims(x, (-2, -3))
+        idx, unsort = indices, None
+        if sort:
+            flat = indices.flatten()
+            order = mx.argsort(flat)
+            x, idx, unsort = x.flatten(0, -3)[order // indices.shape[-1]], flat[order], mx.argsort(order)
+        up = mlp.up_proj(x, idx, sorted_indices=sort)
+        gate = mlp.gate_proj(x, idx, sorted_indices=sort)
+        y = mlp.down_proj(mlp.activation(up, gate), idx, sorted_indices=sort)
+        if sort:
+            y = mx.unflatten(y[unsort], 0, indices.shape)
+        return y.squeeze(-2)
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.experts(x)
