@@ -18,8 +18,9 @@ what the cache held; the tokens after the last checkpoint are prefilled again.
 Where the checkpoints go: with a budget of C, a prefill of an L-token prompt checkpoints every
 ceil(L/C) tokens, rounded up to the grid, so a change at any position p reuses at least
 p - L/C - 64 tokens, plus where the request asks (on the grid at or before it: where the next chat
-turn will differ) and before its last token (a resend). When a later prompt adds checkpoints past
-the budget, the set is thinned to the one whose largest gap is smallest. ``PromptCachePool`` keeps several histories (a chat and an editor's completions, two
+turn will differ), before its last token (a resend) and on the grid before that (the next turn).
+When a later prompt adds checkpoints past the budget, the set is thinned to the one whose largest
+gap is smallest. ``PromptCachePool`` keeps several histories (a chat and an editor's completions, two
 projects) under one memory budget, least recently used first out.
 """
 
@@ -121,7 +122,10 @@ class PromptCache:
         step = GRID * math.ceil(len(prompt) / (self.evenly_spaced * GRID))
         # The request's own checkpoints stay through thinning, also those it restarts from: else
         # resending the same prompt twice could thin away the point the third send needs.
-        self.pinned = {p for p in (*map(on_grid, wanted), len(prompt) - 1)
+        # Pinned too: before the last token (a resend) and the grid before it (the next turn, which
+        # goes on past this prompt: it then prefills at most 63 of its tokens again, and the answer).
+        last = len(prompt) - 1
+        self.pinned = {p for p in (*map(on_grid, wanted), last, on_grid(last))
                        if 0 < p < len(prompt) and (p >= start or p in self.checkpoints)}
         self._plan = {p for p in (*(j * step for j in range(1, self.evenly_spaced)), *self.pinned) if start < p < len(prompt)}
         self._prompt = list(prompt)
