@@ -207,8 +207,7 @@ class Decoder:
         going: List[Sequence] = []
         need = self.min_rows
         for seq in batch:
-            block = seq.whole_block if self.draft is not None else None
-            rows = max(need, block or 1)
+            rows = max(need, seq.whole_block or 1)
             if (len(going) + 1) * rows <= self.row_limit or not going:
                 going.append(seq)
                 need = rows
@@ -295,7 +294,7 @@ class Decoder:
         for seq in batch:
             block = seq.chooser.choose() if self.draft is not None else 1
             wanted.append(block if seq.budget.left is None else min(block, seq.budget.left))
-        whole = [self.draft is not None and seq.whole_block is not None for seq in batch]
+        whole = [seq.whole_block is not None for seq in batch]
         _, blocks = plan_blocks(wanted, self.row_limit, whole)
         steps = []
         for seq, block in zip(batch, blocks):
