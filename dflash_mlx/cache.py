@@ -8,7 +8,7 @@ tape, and ``rollback`` rebuilds the state after the committed prefix by replayin
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
@@ -150,6 +150,83 @@ class KVBatch:
     def offset(self) -> mx.array:
         """Each row's position: RoPE takes one offset per batch row."""
         return mx.array([m.offset for m in self.members])
+
+
+class WindowCache(KVCache):
+    """The KV cache of a sliding-window attention layer (each query sees its own position and the
+    ``window - 1`` before it), rolled back exactly by ``trim`` like a full one.
+
+    A ring of ``window`` rows (mlx-lm's ``RotatingKVCache``) would have overwritten, by the time a
+    verify block is rejected, rows the block's first query still needs once rolled back. Here a
+    pass at position ``o`` drops only rows no query of it sees (before ``o - window + 1``) and keeps
+    the rest until the next pass: a rollback to any position the pass fed from (``o`` and after) has
+    every row it needs, and a window never holds more than ``window - 1`` rows plus the last pass's
+    (a verify block, or a prefill chunk until the next pass). Rows live in a buffer that grows in
+    ``step``s from ``start`` (the position of its first row) and is compacted when full.
+    ``layers.cached_attention`` masks each query to its window."""
+
+    def __init__(self, window: int):
+        super().__init__()
+        if window < 1:
+            raise ValueError(f"sliding window {window} must be at least 1 token")
+        self.window = window
+        self.start = 0  # the position of the buffer's first row
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Append a pass's rows; returns the rows its queries see (from the first query's window)."""
+        o, T = self.offset, keys.shape[2]
+        first = max(self.start, o - self.window + 1)
+        if self.keys is None or o + T - self.start > self.keys.shape[2]:
+            kept = o - first
+            capacity = (kept + T + self.step - 1) // self.step * self.step + self.step
+            B, H, _, D = keys.shape
+            new_k = mx.zeros((B, H, capacity, D), keys.dtype)
+            new_v = mx.zeros((B, H, capacity, values.shape[3]), values.dtype)
+            if kept:
+                new_k[..., :kept, :] = self.keys[..., first - self.start : o - self.start, :]
+                new_v[..., :kept, :] = self.values[..., first - self.start : o - self.start, :]
+            self.keys, self.values, self.start = new_k, new_v, first
+        self.keys[..., o - self.start : o + T - self.start, :] = keys
+        self.values[..., o - self.start : o + T - self.start, :] = values
+        self.offset = o + T
+        rows = slice(first - self.start, o + T - self.start)
+        return self.keys[..., rows, :], self.values[..., rows, :]
+
+    def trim(self, n: int) -> int:
+        """Forget the last ``n`` rows; refused (ValueError) where the window before the new end
+        was dropped already (further back than the last pass started)."""
+        n = min(self.offset, n)
+        end = self.offset - n
+        if max(end - self.window + 1, 0) < self.start:
+            raise ValueError(f"a sliding window of {self.window} holds positions {self.start}..{self.offset - 1}: "
+                             f"it cannot roll back to {end} (that needs position {max(end - self.window + 1, 0)})")
+        self.offset = end
+        return n
+
+    def checkpoint(self) -> Tuple[Optional[mx.array], Optional[mx.array]]:
+        """The rows a pass from here reads before its own (the last ``window - 1``): with the
+        position, all a later ``resume`` needs (slices; the buffer is never written in place)."""
+        if self.keys is None or self.offset == 0:
+            return None, None
+        first = max(self.start, self.offset - self.window + 1)
+        rows = slice(first - self.start, self.offset - self.start)
+        return self.keys[..., rows, :], self.values[..., rows, :]
+
+    def resume(self, position: int, keys: Optional[mx.array], values: Optional[mx.array]) -> "WindowCache":
+        """Hold ``checkpoint()``'s rows as they were at ``position`` (a prompt cache's restart)."""
+        rows = 0 if keys is None else keys.shape[2]
+        if rows != min(position, self.window - 1):
+            raise ValueError(f"{rows} rows do not make the window of {self.window} at position {position}")
+        self.keys, self.values, self.offset, self.start = keys, values, position, position - rows
+        return self
+
+    def fork(self, position: int, keys, values) -> "WindowCache":
+        """A new cache holding ``checkpoint()``'s rows taken at ``position``."""
+        return WindowCache(self.window).resume(position, keys, values)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
 def batch_view(caches: List[list], rows: List[int]) -> list:

@@ -82,7 +82,8 @@ def read_weights(path: Path) -> Dict[str, mx.array]:
 
 def mlx_quantization(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     """The MLX quantization block of a config (``quantization`` or ``quantization_config``, at the
-    top or in ``text_config``); other frameworks' blocks (FP8, NVFP4, GPTQ...) are refused by name."""
+    top or in ``text_config``; OpenAI's ``mxfp4`` as MLX's ``mxfp4`` mode, the layers that hold
+    scales); other frameworks' blocks (FP8, NVFP4, GPTQ...) are refused by name."""
     for where in (config, config.get("text_config") or {}):
         for key in ("quantization", "quantization_config"):
             block = where.get(key)
@@ -91,6 +92,8 @@ def mlx_quantization(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
             if "bits" in block or "group_size" in block:
                 return block
             method = block.get("quant_method", "unknown")
+            if method == "mxfp4":  # OpenAI's gpt-oss release: its experts in MXFP4, which MLX runs as they are
+                return {"group_size": 32, "bits": 4, "mode": "mxfp4"}
             raise CheckpointError(f"quantization method {method!r} ({key}) is not MLX's: load the BF16 release, "
                                   "or convert it with `dflash-mlx convert-target --quant w4`")
     return None
@@ -129,6 +132,8 @@ TARGET_TYPES = {
     "qwen3_5_moe": ("qwen3_5_moe", "moe"), "qwen3_5_moe_text": ("qwen3_5_moe", "moe"),
     "qwen3_8": ("qwen3_5", "dense"), "qwen3_8_text": ("qwen3_5", "dense"),
     "qwen3": ("qwen3", "dense"), "qwen3_moe": ("qwen3_moe", "moe"), "llama": ("llama", "dense"),
+    "gpt_oss": ("gpt_oss", "moe"),
+    "gemma4": ("gemma4", "dense"), "gemma4_text": ("gemma4", "dense"),  # "moe" where enable_moe_block
 }
 DRAFT_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 
@@ -151,12 +156,15 @@ def target_family(config: Dict[str, Any]) -> str:
 
 def target_kind(config: Dict[str, Any]) -> str:
     """``"dense"`` or ``"moe"`` (a mixture of experts) for a target's config."""
-    return _target_entry(config)[1]
+    family, kind = _target_entry(config)
+    if family == "gemma4" and text_part(config).get("enable_moe_block"):
+        return "moe"
+    return kind
 
 
 def target_module(config: Dict[str, Any]):
     """The model file for a target's config: ``models.qwen3_5``, ``qwen3_5_moe``, ``qwen3``,
-    ``qwen3_moe`` or ``llama``. Each has ``ModelArgs`` (``from_dict``), ``Model`` (with ``sanitize``)
+    ``qwen3_moe``, ``llama``, ``gpt_oss`` or ``gemma4``. Each has ``ModelArgs`` (``from_dict``), ``Model`` (with ``sanitize``)
     and ``module_path`` (a checkpoint's tensor or module name as the model names it)."""
     import importlib
 

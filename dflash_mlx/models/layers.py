@@ -15,6 +15,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from .. import quantized
+from ..cache import WindowCache
 
 
 class MLP(nn.Module):
@@ -73,7 +74,8 @@ def submit_layer(x: mx.array) -> None:
 SIDE_STREAM_WORK = 16384
 
 
-def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask=None) -> mx.array:
+def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask=None,
+              sinks: Optional[mx.array] = None) -> mx.array:
     """Attention of ``queries`` [B, H, T, D] over ``keys`` and ``values`` [B, Hkv, L, D]: the
     numbers of ``mx.fast.scaled_dot_product_attention`` (``mask`` None, "causal" aligned to the
     last key as MLX aligns it, or a boolean array of [T, L], [B, 1, T, L] or [B, H, T, L]), in less
@@ -91,14 +93,17 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
 
     Past ``SIDE_STREAM_WORK`` the key heads go to ``side_streams()``, one per core: MLX runs one
     CPU operation on one core, so one stream leaves the others idle. Each head's numbers are the
-    ones it gets on one stream."""
+    ones it gets on one stream.
+
+    ``sinks`` [H] (gpt-oss): a learned logit per query head that joins every row's softmax as
+    one more key with no value (it takes a share of the attention and gives nothing back)."""
     if mx.default_device() != mx.cpu:
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
     H, T = queries.shape[1], queries.shape[2]
     n_kv, L = keys.shape[1], keys.shape[2]
     streams = side_streams()
     if n_kv == 1 or len(streams) == 1 or H // n_kv * T * L < SIDE_STREAM_WORK:
-        return _cpu_attention(queries, keys, values, scale, mask)
+        return _cpu_attention(queries, keys, values, scale, mask, sinks)
     group, parts = H // n_kv, min(n_kv, len(streams))
     mask, heads = _causal(mask, T, L), []  # the mask built once for every part
     for part in range(parts):  # key heads [a, b) and their query heads on a core of their own
@@ -107,7 +112,9 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
         if mask is not None and mask.ndim == 4 and mask.shape[1] == H:
             part_mask = mask[:, a * group : b * group]
         with mx.stream(streams[part]):
-            heads.append(_cpu_attention(queries[:, a * group : b * group], keys[:, a:b], values[:, a:b], scale, part_mask))
+            part_sinks = None if sinks is None else sinks[a * group : b * group]
+            heads.append(_cpu_attention(queries[:, a * group : b * group], keys[:, a:b], values[:, a:b], scale, part_mask,
+                                        part_sinks))
     return mx.concatenate(heads, axis=1)
 
 
@@ -121,7 +128,8 @@ def _causal(mask, T: int, L: int):
     return mx.arange(L - T, L)[:, None] >= mx.arange(L)[None] if T > 1 else None
 
 
-def _cpu_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask=None) -> mx.array:
+def _cpu_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask=None,
+                   sinks: Optional[mx.array] = None) -> mx.array:
     """``attention`` on the CPU on one stream: MLX's fallback's numbers in fewer operations."""
     B, H, T, D = queries.shape
     n_kv, L = keys.shape[1], keys.shape[2]
@@ -135,7 +143,12 @@ def _cpu_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: f
             mask = mx.expand_dims(mask, -3) if head_axis == 1 else mask.reshape(*mask.shape[:-3], n_kv, group, T, L)
         per_group = scores.reshape(B, n_kv, group, T, L)
         scores = mx.where(mask, per_group, mx.array(-float("inf"), scores.dtype)).reshape(B, n_kv, group * T, L)
-    probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(scores.dtype)
+    if sinks is None:
+        probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(scores.dtype)
+    else:  # each head's sink is one more column of its rows' softmax, dropped after it
+        sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, n_kv, group, 1, 1), (B, n_kv, group, T, 1))
+        scores = mx.concatenate([scores.astype(mx.float32), sink.reshape(B, n_kv, group * T, 1)], axis=-1)
+        probs = mx.softmax(scores, axis=-1)[..., :-1].astype(values.dtype)
     return (probs @ values).reshape(B, H, T, D)
 
 
@@ -165,20 +178,35 @@ def attention_rows(heads: int, queries: int, keys: int) -> Optional[int]:
     return min(queries, max(rows, SCORE_ROWS_ALIGN))
 
 
-def cached_attention(queries: mx.array, keys: mx.array, values: mx.array, cache, scale: float) -> mx.array:
+def window_mask(T: int, L: int, window: Optional[int] = None):
+    """The mask of ``T`` queries over ``L`` keys (the queries the last ``T`` of them), each query
+    seeing the keys up to its own and, with a ``window``, only the last ``window`` of those (its
+    position minus ``window - 1`` on): "causal" or None where the window hides no key."""
+    if window is None or L <= window:
+        return "causal" if T > 1 else None
+    q = mx.arange(L - T, L)[:, None]
+    k = mx.arange(L)[None]
+    return (q >= k) & (q - k < window)
+
+
+def cached_attention(queries: mx.array, keys: mx.array, values: mx.array, cache, scale: float,
+                     window: Optional[int] = None, sinks: Optional[mx.array] = None) -> mx.array:
     """Causal attention of rotated ``queries`` [B, H, T, D] over ``cache`` (mlx-lm's ``KVCache``;
     None: no cache) extended by the pass's ``keys`` and ``values`` [B, Hkv, T, D]. A batch of
     several sequences' caches (``cache.KVBatch``: ``members``) runs each row over its own cache, as
     alone, with its own queries only (``cache.rows``: the padding after them neither enters its
     cache nor makes the call longer, which on a GPU would pick another kernel; its output rows are
-    zeros); a prefill chunk on the CPU goes in row blocks (``attention_rows``)."""
+    zeros); a prefill chunk on the CPU goes in row blocks (``attention_rows``).
+
+    ``window``: a sliding-window layer (its cache a ``cache.WindowCache``, or any KV cache: each
+    query is masked to its window); ``sinks``: gpt-oss's per-head sink logits (``attention``)."""
     members = getattr(cache, "members", None)
     if members is not None:  # a batch (cache.KVBatch): each row over its own cache, as alone
         streams, heads, T = side_streams(), [], queries.shape[2]
         for i, (c, n) in enumerate(zip(members, cache.rows)):
             with mx.stream(streams[i % len(streams)]):
                 head = cached_attention(queries[i : i + 1, :, :n], keys[i : i + 1, :, :n], values[i : i + 1, :, :n], c,
-                                        scale)
+                                        scale, window, sinks)
                 heads.append(head if n == T else mx.pad(head, [(0, 0), (0, 0), (0, T - n), (0, 0)]))
         return mx.concatenate(heads)
     if cache is not None:
@@ -186,43 +214,103 @@ def cached_attention(queries: mx.array, keys: mx.array, values: mx.array, cache,
     T, L = queries.shape[2], keys.shape[2]
     rows = attention_rows(queries.shape[1], T, L)
     if rows is None:
-        return attention(queries, keys, values, scale, "causal" if T > 1 else None)
+        return attention(queries, keys, values, scale, window_mask(T, L, window), sinks)
     # Row blocks, each over the keys up to its last row, each made to wait for the one before:
     # left independent, MLX runs them side by side with every block's scores alive at once.
     # (An mx.eval per block bounds memory as well but measured 20% slower over a prefill.)
     past, heads = L - T, []
     for s in range(0, T, rows):
         end = past + min(s + rows, T)
+        begin = 0 if window is None else max(past + s - window + 1, 0)  # the block's first window
         q = queries[:, :, s : s + rows]
         if heads:
             q = mx.depends(q, heads[-1])
-        heads.append(attention(q, keys[:, :, :end], values[:, :, :end], scale, "causal"))
+        mask = window_mask(q.shape[2], end - begin, window)
+        heads.append(attention(q, keys[:, :, begin:end], values[:, :, begin:end], scale, mask, sinks))
     return heads[0] if len(heads) == 1 else mx.concatenate(heads, axis=2)
 
 
 def make_rope(head_dim: int, theta: float, scaling: Optional[dict] = None,
               max_position_embeddings: Optional[int] = None) -> nn.Module:
-    """RoPE over whole heads (not interleaved) with a config's scaling (``rope_type`` ``default``,
-    ``linear``, ``llama3``, ``yarn``...: mlx-lm's ``initialize_rope``, as the draft's)."""
+    """RoPE over whole heads (not interleaved) with a config's scaling: ``yarn`` as transformers
+    computes it (``YarnRoPE``), the others (``default``, ``linear``, ``llama3``...) through mlx-lm's
+    ``initialize_rope``, as the draft's."""
     from mlx_lm.models.rope_utils import initialize_rope
 
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) in ("default", None):
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else None
+    if kind in ("default", None):
         scaling = None
+    if kind == "yarn":
+        return YarnRoPE(head_dim, theta, scaling, max_position_embeddings)
     return initialize_rope(head_dim, base=theta, traditional=False, scaling_config=scaling,
                            max_position_embeddings=max_position_embeddings)
 
 
+class YarnRoPE(nn.Module):
+    """YaRN RoPE (``rope_type: yarn``) as transformers' ``_compute_yarn_parameters``: frequencies
+    blended between interpolated (divided by ``factor``) and original along a ramp over the
+    dimensions between the ``beta_fast`` and ``beta_slow`` rotation counts, and both rotated
+    vectors scaled by the attention factor (``0.1 ln(factor) + 1`` unless the config says).
+
+    Written here rather than taken from mlx-lm because mlx-lm always rounds the ramp's ends to
+    whole dimensions, while gpt-oss's config says ``truncate: false`` (OpenAI's reference does not
+    round): its frequencies differ from mlx-lm's in the ramp."""
+
+    def __init__(self, dims: int, base: float, scaling: dict, max_position_embeddings: Optional[int] = None):
+        super().__init__()
+        import math
+
+        original = scaling.get("original_max_position_embeddings") or max_position_embeddings
+        factor = scaling.get("factor") or (max_position_embeddings / original)
+        beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+        def mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attention_factor = scaling.get("attention_factor")
+        if attention_factor is None:
+            m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+            attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+        def correction_dim(rotations):
+            return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dims - 1)
+        if low == high:
+            high += 0.001
+        ramp = mx.clip((mx.arange(dims // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
+        extrapolation = 1 - ramp  # the share of the original frequency
+        inv_freq = 1.0 / base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+        inv_freq = inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
+        self._freqs = 1.0 / inv_freq  # mx.fast.rope takes periods
+        self.dims, self.scale = dims, attention_factor
+
+    def __call__(self, x: mx.array, offset=0) -> mx.array:
+        if self.scale != 1.0:
+            x = x * mx.array(self.scale, x.dtype)
+        return mx.fast.rope(x, self.dims, traditional=False, base=None, scale=1.0, offset=offset, freqs=self._freqs)
+
+
 class Attention(nn.Module):
     """Grouped-query attention with RoPE (Llama), with per-head ``q_norm``/``k_norm`` RMSNorms
-    before RoPE where ``qk_norm_eps`` is given (Qwen3).
+    before RoPE where ``qk_norm_eps`` is given (Qwen3), over a sliding ``window`` of positions where
+    one is given (its cache a ``cache.WindowCache``), with a learned sink logit per head where
+    ``sinks`` (gpt-oss).
 
     Called by its decoder layer as ``project`` and ``output`` (compiled) around ``attend`` (the KV
     cache, whose key count grows every step)."""
 
     def __init__(self, hidden_size: int, n_heads: int, n_kv_heads: int, head_dim: int, rope: nn.Module,
-                 bias: bool = False, qk_norm_eps: Optional[float] = None):
+                 bias: bool = False, qk_norm_eps: Optional[float] = None, window: Optional[int] = None,
+                 sinks: bool = False):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.window = window
+        if sinks:
+            self.sinks = mx.zeros((n_heads,))
         self.scale = head_dim**-0.5
         self.q_proj = nn.Linear(hidden_size, n_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, n_kv_heads * head_dim, bias=bias)
@@ -245,7 +333,7 @@ class Attention(nn.Module):
         return self.rope(queries, offset=offset), self.rope(keys, offset=offset), values
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, cache) -> mx.array:
-        return cached_attention(queries, keys, values, cache, self.scale)
+        return cached_attention(queries, keys, values, cache, self.scale, self.window, self.get("sinks"))
 
     def output(self, heads: mx.array) -> mx.array:
         B, _, T, _ = heads.shape
@@ -349,7 +437,7 @@ class TargetModel(nn.Module):
         ``last_only``: logits of the last position alone (``[B, 1, V]``), as a prefill chunk needs
         them: the vocabulary head over every prompt position is about a tenth of a 9B prefill.
         """
-        h, tapped = self.run_layers(self.model.embed_tokens(inputs), cache, taps, record_tape)
+        h, tapped = self.run_layers(self.embed_tokens(inputs), cache, taps, record_tape)
         hidden = mx.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
         return self.logits(h, last_only), hidden
 
@@ -375,8 +463,10 @@ class TargetModel(nn.Module):
         return self.forward(inputs, cache)[0]
 
     def make_cache(self) -> list:
-        """One mlx-lm ``KVCache`` per layer (rolled back by ``trim``)."""
-        return [KVCache() for _ in self.layers]
+        """One mlx-lm ``KVCache`` per layer, a ``cache.WindowCache`` per sliding-window layer (both
+        rolled back by ``trim``)."""
+        windows = [getattr(getattr(layer, "self_attn", None), "window", None) for layer in self.layers]
+        return [KVCache() if w is None else WindowCache(w) for w in windows]
 
     def use_recurrence(self, recurrence) -> "TargetModel":
         """Run every Gated DeltaNet layer through ``recurrence`` (a target without one: nothing)."""
@@ -461,10 +551,12 @@ class SparseMoe(nn.Module):
             weights = weights / weights.sum(axis=-1, keepdims=True)
         return indices, weights
 
-    def experts(self, x: mx.array) -> mx.array:
-        """The routed experts' outputs, weighted and summed, in ``x``'s dtype."""
+    def experts(self, x: mx.array, inputs: Optional[mx.array] = None) -> mx.array:
+        """The routed experts' outputs, weighted and summed, in ``x``'s dtype; ``inputs``: what the
+        experts take where it is not what the router takes (Gemma 4 routes the unnormed stream)."""
         indices, weights = self.route(x)
-        experts_in = x.astype(mx.float32) if self.float32_experts else x
+        inputs = x if inputs is None else inputs
+        experts_in = inputs.astype(mx.float32) if self.float32_experts else inputs
         y = self.switch(experts_in, indices, sort=x.size // x.shape[-1] > ROW_INDEPENDENT_ROWS)
         return (y * weights[..., None].astype(y.dtype)).sum(axis=-2).astype(x.dtype)
 

@@ -2,7 +2,9 @@
 
 A plain transformer: every layer RMSNorm -> grouped-query attention with per-head ``q_norm`` and
 ``k_norm`` (RMSNorm over each head, before RoPE) -> residual -> RMSNorm -> SwiGLU -> residual.
-Nothing but KV caches: a verify pass's rejected rows roll back by a trim (``cache.rollback``).
+Nothing but KV caches: a verify pass's rejected rows roll back by a trim (``cache.rollback``), in
+sliding-window layers too (``layer_types`` or ``use_sliding_window`` from ``max_window_layers`` on,
+as transformers reads them: a ``cache.WindowCache`` each; no Qwen3 release uses one).
 Hugging Face checkpoints and mlx-community's (bf16, 4/8-bit) share one layout; RMSNorm weights are
 plain gains (not zero-centred as Qwen3.5's).
 """
@@ -41,6 +43,7 @@ class ModelArgs:
     eos_token_id: Any = None
     use_sliding_window: bool = False
     sliding_window: Optional[int] = None
+    max_window_layers: int = 0
     layer_types: Optional[List[str]] = None
 
     def __post_init__(self):
@@ -51,18 +54,25 @@ class ModelArgs:
         if self.rope_parameters:
             self.rope_theta = self.rope_parameters.get("rope_theta", self.rope_theta)
             self.rope_scaling = self.rope_parameters
-        if self.layer_types is None:
-            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        if self.layer_types is None:  # transformers' rule: the layers from max_window_layers on slide
+            slide = self.use_sliding_window and self.sliding_window
+            self.layer_types = ["sliding_attention" if slide and i >= self.max_window_layers else "full_attention"
+                                for i in range(self.num_hidden_layers)]
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
-        windowed = set(self.layer_types) - {"full_attention"}
-        if windowed or (self.use_sliding_window and self.sliding_window):
-            raise ValueError(
-                f"{self.model_type} with sliding-window layers ({sorted(windowed) or 'use_sliding_window'}) is not "
-                "supported yet: only full-attention layers roll back by a trim here")
+        unknown = set(self.layer_types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise ValueError(f"{self.model_type}: layer types {sorted(unknown)} are not attention layers this runs")
+        if "sliding_attention" in self.layer_types and not (self.sliding_window or 0) >= 1:
+            raise ValueError(f"{self.model_type}: sliding_attention layers need a sliding_window of at least 1, "
+                             f"got {self.sliding_window!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_key_value_heads})")
+
+    def window(self, layer: int) -> Optional[int]:
+        """Layer ``layer``'s sliding window (None: full attention)."""
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
     @classmethod
     def from_dict(cls, config: Dict[str, Any]) -> "ModelArgs":
@@ -84,9 +94,10 @@ def rope(args) -> nn.Module:
     return make_rope(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings)
 
 
-def attention(args, qk_norm: bool = True) -> Attention:
+def attention(args, qk_norm: bool = True, layer: int = 0) -> Attention:
     return Attention(args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim, rope(args),
-                     bias=args.attention_bias, qk_norm_eps=args.rms_norm_eps if qk_norm else None)
+                     bias=args.attention_bias, qk_norm_eps=args.rms_norm_eps if qk_norm else None,
+                     window=args.window(layer))
 
 
 def dense_mlp(args, layer: int) -> nn.Module:
@@ -102,7 +113,7 @@ class Model(TargetModel):
         super().__init__()
         self.args = args
         self.model_type = args.model_type
-        layers = [DecoderLayer(attention(args), feed_forward(args, i), args.hidden_size, args.rms_norm_eps)
+        layers = [DecoderLayer(attention(args, layer=i), feed_forward(args, i), args.hidden_size, args.rms_norm_eps)
                   for i in range(args.num_hidden_layers)]
         self.model = TextModel(args.vocab_size, args.hidden_size, layers, args.rms_norm_eps)
         if not args.tie_word_embeddings:
