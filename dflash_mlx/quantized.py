@@ -11,8 +11,9 @@ depend on M: ``metal/quantized_verify.metal`` keeps one accumulator per row,
 step when both go through the same kernel (the tile's under assumption H, ``docs/kernels.md``).
 
 Three pieces: the kernels' launch and their pure-MLX reference (``quantized_verify_reference``);
-the choice per shape of one implementation for every row count (``QuantizedMatmuls``, measured by
-``tune``, cached per device under ``$DFLASH_MLX_HOME``); and the layers that ask it
+the choice per shape of one implementation for every row count where that costs at most
+``EXACT_BUDGET`` (or ``exact``), else the fastest at each row count (``QuantizedMatmuls``, measured
+by ``tune``, cached per device under ``$DFLASH_MLX_HOME``); and the layers that ask it
 (``QuantizedLinear``, ``QuantizedEmbedding``: MLX's own, routed). Off Metal nothing is routed and
 nothing changes.
 """
@@ -161,8 +162,8 @@ def _check_quantized(metal: kernels.MetalKernels, launch: kernels.Launch) -> Opt
 @dataclass(frozen=True)
 class MatmulShape:
     """One distinct quantized matmul of a loaded pair (a layer's weights and its activations'
-    dtype). Its choice between the kernel and stock holds for every row count, 1..16: a decode step
-    and a verify pass of a layer go through the same implementation."""
+    dtype). An exact choice between the kernels and stock holds for every row count, 1..16: a decode
+    step and a verify pass of a layer go through the same implementation (``Timing.choice``)."""
 
     K: int
     N: int
@@ -265,11 +266,12 @@ class MatmulPlan:
 
 
 class QuantizedMatmuls:
-    """Which implementation each quantized layer shape uses in this process, for every row count
-    1..16 alike: ``kernel`` (per-row) or ``tile`` where the tuner chose it (``Timing.choice``; or
-    ``choices`` say so), stock everywhere else (shapes and modes the kernels have no form for,
-    forms that failed a self-check). Calls of more than 16 rows (prefill chunks) run stock
-    whatever the choice.
+    """Which implementation each quantized layer shape uses in this process: one for every row
+    count 1..16 (``kernel``, per-row, or ``tile`` where the tuner chose it, ``Timing.choice``, or
+    ``choices`` say so), or where exactness cost more than ``EXACT_BUDGET`` and not ``exact``, the
+    fastest at each row count (``Fastest``); stock everywhere else (shapes and modes the kernels
+    have no form for, forms that failed a self-check). Calls of more than 16 rows (prefill chunks)
+    run stock whatever the choice.
 
     What a call needs is decided once per layer, activation dtype and input shape (``plan``, kept by
     the routed layer) and decided again only when ``choices`` change or a self-check fails: a routed
@@ -277,8 +279,10 @@ class QuantizedMatmuls:
     routed_matmul_cost.py``), not the checks, the launches and the signatures every time.
     """
 
-    def __init__(self, metal: kernels.MetalKernels, choices: Optional[Dict[MatmulShape, str]] = None):
+    def __init__(self, metal: kernels.MetalKernels, choices: Optional[Dict[MatmulShape, str]] = None,
+                 exact: bool = False):
         self.metal = metal
+        self.exact = exact  # --exact: the tuner's results decide one implementation per layer for every M
         self.version = 0  # moves with every change of ``choices``
         self.plans = 0  # how many plans were made (decisions taken): the tests count them
         self.choices = dict(choices or {})
@@ -296,17 +300,19 @@ class QuantizedMatmuls:
         self.version += 1
 
     @classmethod
-    def for_this_process(cls) -> Optional["QuantizedMatmuls"]:
-        """On an Apple GPU: the process's kernels and the choices cached for this device
-        (``DFLASH_MLX_KERNELS=reference`` turns the kernel off); elsewhere None."""
+    def for_this_process(cls, exact: bool = False) -> Optional["QuantizedMatmuls"]:
+        """On an Apple GPU: the process's kernels and the choices cached for this device, decided
+        under ``exact`` (``DFLASH_MLX_KERNELS=reference`` turns the kernel off); elsewhere None."""
         if os.environ.get(kernels.BACKEND_ENV, "auto") == "reference":
             return None
         if not (mx.default_device() == mx.gpu and mx.metal.is_available()):
             return None
-        return cls(kernels.process_metal_kernels(), TuningCache.for_this_device().choices())
+        return cls(kernels.process_metal_kernels(), TuningCache.for_this_device().choices(exact), exact)
 
     def chosen(self, shape: MatmulShape) -> bool:
-        return self.choices.get(shape) in KERNEL_OF
+        """Whether ``shape`` runs a kernel of ours at some row count."""
+        choice = self.choices.get(shape)
+        return bool(choice.impls() & set(KERNEL_OF)) if isinstance(choice, Fastest) else choice in KERNEL_OF
 
     def plan(self, dtype: mx.Dtype, shape: tuple, w, scales, biases, group_size: int, bits: int, mode: str,
              always: bool = False) -> MatmulPlan:
@@ -321,6 +327,8 @@ class QuantizedMatmuls:
         impl = None
         if 1 <= rows <= MAX_ROWS and kernel_supports(bits, group_size, mode):
             choice = self.choices.get(MatmulShape(K, N, bits, group_size, mode, dtype_name(dtype)))
+            if isinstance(choice, Fastest):
+                choice = choice.at(rows)
             impl = choice if choice in KERNEL_OF else OURS if always else None
             if impl is not None and not form_usable(self.metal, dtype, w, scales, biases, group_size, bits, mode, impl):
                 impl = None
@@ -515,10 +523,49 @@ def batch_time(which: str, fn: Callable[[], mx.array], calls: int = 16, repeats:
 wall_time = batch_time  # the name callers used
 
 
+# What exactness may cost a layer: its one implementation for every row count (``Timing.exact_choice``)
+# is kept where that lengthens the layer's share of a cycle (its time summed over the timed row
+# counts) by at most this much against the fastest implementation at each row count; elsewhere the
+# layer takes the fastest at each row count (``Fastest``). Every layer held to the same share, a
+# whole cycle costs at most this much more for being exact. ``--exact`` keeps every layer exact.
+EXACT_BUDGET = 0.03
+
+
+@dataclass(frozen=True)
+class Fastest:
+    """A layer's routing where exactness costs more than ``EXACT_BUDGET``: at each timed row count
+    the implementation that measured fastest (``by_rows``: (rows, implementation), ascending; a
+    row count between two timed ones takes the next one's). A verify row and its decode step may
+    then go through different kernels that sum in different orders: greedy output can differ from
+    the target alone where the target's top two logits nearly tie (``bench`` reports those), and a
+    batched request (more rows per call) from itself alone. ``--exact`` rules it out."""
+
+    by_rows: tuple
+
+    def at(self, rows: int) -> str:
+        for bucket, impl in self.by_rows:
+            if rows <= bucket:
+                return impl
+        return self.by_rows[-1][1]
+
+    def impls(self) -> set:
+        return {impl for _, impl in self.by_rows}
+
+    def __str__(self) -> str:
+        parts, low = [], 1
+        for i, (bucket, impl) in enumerate(self.by_rows):
+            if i + 1 < len(self.by_rows) and self.by_rows[i + 1][1] == impl:
+                continue
+            parts.append(f"{impl} M={low}" + (f"-{bucket}" if bucket > low else ""))
+            low = bucket + 1
+        return "fastest: " + ", ".join(parts)
+
+
 @dataclass
 class Timing:
-    """A shape's measured seconds per call by rows, and the implementation it runs at every row
-    count (``choice``)."""
+    """A shape's measured seconds per call by rows, and what it runs (``choice``): one
+    implementation for every row count where exactness costs at most ``EXACT_BUDGET`` of its
+    share of a cycle or ``exact`` asks for it, else the fastest at each row count."""
 
     shape: MatmulShape
     stock_s: Dict[int, float]  # seconds per call, by rows
@@ -528,13 +575,18 @@ class Timing:
     # this GPU (traffic.stock_one_kernel), else None: stock would round a decode step and a verify
     # block differently.
     stock_one: Optional[str] = None
+    exact: bool = False  # --exact: one implementation for every row count, whatever it costs
+
+    def _times(self) -> Dict[str, Dict[int, float]]:
+        return {impl: times for impl, times in ((STOCK, self.stock_s), (OURS, self.kernel_s), (TILE, self.tile_s))
+                if times}
 
     @property
-    def choice(self) -> str:
-        """The faster of our kernels over the timed row counts (the per-row one on a tie). Stock
-        only where no kernel of ours passed its self-checks, or where stock is one row-independent
-        kernel at every row count and ours is not ``MARGIN`` faster: where stock switches kernels
-        across row counts it is not an option, whatever the timings."""
+    def exact_choice(self) -> str:
+        """The one implementation for every row count: the faster of our kernels over the timed
+        row counts (the per-row one on a tie); stock where no kernel of ours passed its
+        self-checks, or where stock is one row-independent kernel at every row count and ours is
+        not ``MARGIN`` faster."""
         ours = {impl: sum(times.values()) for impl, times in ((OURS, self.kernel_s), (TILE, self.tile_s)) if times}
         if not ours:
             return STOCK
@@ -542,6 +594,58 @@ class Timing:
         if self.stock_one is not None and ours[best] > (1 - MARGIN) * sum(self.stock_s.values()):
             return STOCK
         return best
+
+    @property
+    def fastest(self) -> Dict[int, str]:
+        """The fastest implementation at each timed row count (the exact choice where it ties)."""
+        times, exact = self._times(), self.exact_choice
+        out = {}
+        for M in sorted(self.stock_s):
+            best = min(times, key=lambda impl: times[impl][M])
+            out[M] = exact if exact in times and times[exact][M] <= times[best][M] else best
+        return out
+
+    @property
+    def exactness_cost(self) -> float:
+        """How much longer the exact choice takes than the fastest at each row count, over the
+        timed row counts, as a share of the latter (0: exactness is free, and where the fastest is
+        one exact implementation at every row count: the exact choice then differs from it only
+        by ``MARGIN``)."""
+        times, fastest = self._times(), self.fastest
+        one = set(fastest.values())
+        if len(one) == 1 and (one <= set(KERNEL_OF) or (one == {STOCK} and self.stock_one is not None)):
+            return 0.0
+        exact = sum(times[self.exact_choice][M] for M in fastest) if self.exact_choice in times else math.inf
+        best = sum(times[impl][M] for M, impl in fastest.items())
+        return exact / best - 1 if best > 0 else 0.0
+
+    @property
+    def choice(self):
+        """What the layer runs: the exact choice (a name) where ``exact`` asks for it, exactness
+        costs at most ``EXACT_BUDGET`` or the fastest is one implementation anyway; else
+        ``Fastest``."""
+        if self.exact or self.exactness_cost <= EXACT_BUDGET:
+            return self.exact_choice
+        fastest = self.fastest
+        if len(set(fastest.values())) == 1:
+            return next(iter(fastest.values()))
+        return Fastest(tuple(sorted(fastest.items())))
+
+    @property
+    def is_exact(self) -> bool:
+        """Whether ``choice`` gives a verify row its decode step's bits: one kernel of ours, or
+        stock where it is one row-independent kernel at every row count."""
+        choice = self.choice
+        return choice in KERNEL_OF or (choice == STOCK and self.stock_one is not None)
+
+    @classmethod
+    def from_entry(cls, entry: dict, exact: bool = False) -> "Timing":
+        """A cached entry (``TuningCache.record``) back as a Timing."""
+        def seconds(times):
+            return None if times is None else {int(m): us / 1e6 for m, us in times.items()}
+
+        return cls(MatmulShape(**entry["shape"]), seconds(entry["stock_us"]), seconds(entry["kernel_us"]),
+                   seconds(entry.get("tile_us")), entry.get("stock_one_kernel"), exact)
 
 
 def _arrays(layer: nn.Module):
@@ -565,10 +669,11 @@ def stock_rule(facts=None, mlx_version: Optional[str] = None) -> Callable[[Matmu
 
 def tune(metal: kernels.MetalKernels, layers, measure: Callable[[str, Callable[[], mx.array]], float] = batch_time,
          progress: Optional[Callable[[int, int], None]] = None, rows: Iterable[int] = TUNED_ROWS,
-         stock_one: Optional[Callable[[MatmulShape], Optional[str]]] = None) -> List[Timing]:
+         stock_one: Optional[Callable[[MatmulShape], Optional[str]]] = None, exact: bool = False) -> List[Timing]:
     """Times stock ``mx.quantized_matmul``, the per-row kernel and the tile kernel for each shape
     at each of ``rows``, on the layer's own weights (``layers``: shape -> layer, as ``layers_of``
-    gives; x is random), and decides per shape for every row count at once (``Timing.choice``;
+    gives; x is random), and decides per shape (``Timing.choice``: one implementation for every
+    row count where exactness costs at most ``EXACT_BUDGET`` or ``exact``, else the fastest at each;
     ``stock_one`` says where stock is one row-independent kernel, this GPU's rule by default)."""
     layers = dict(layers)
     rows = list(rows)
@@ -589,7 +694,7 @@ def tune(metal: kernels.MetalKernels, layers, measure: Callable[[str, Callable[[
                 if times[impl] is not None:
                     launch = quantized_verify_launch(x, w, scales, biases, shape.group_size, shape.bits, shape.mode, impl=impl)
                     times[impl][M] = measure(impl, lambda: metal.run(launch)[0])
-        timings.append(Timing(shape, times[STOCK], times[OURS], times[TILE], stock_one(shape)))
+        timings.append(Timing(shape, times[STOCK], times[OURS], times[TILE], stock_one(shape), exact))
         if progress is not None:
             progress(i + 1, len(layers))
     return timings
@@ -632,7 +737,8 @@ class TuningCache:
         for t in timings:
             self.entries[t.shape.key()] = {"shape": t.shape.__dict__, "stock_us": per_rows_us(t.stock_s),
                                            "kernel_us": per_rows_us(t.kernel_s), "tile_us": per_rows_us(t.tile_s),
-                                           "stock_one_kernel": t.stock_one, "choice": t.choice}
+                                           "stock_one_kernel": t.stock_one, "exact_choice": t.exact_choice,
+                                           "exactness_cost": t.exactness_cost, "choice": str(t.choice)}
         try:
             everything = json.loads(self.path.read_text())
         except (OSError, ValueError):
@@ -643,29 +749,35 @@ class TuningCache:
         partial.write_text(json.dumps(everything, indent=1, sort_keys=True))
         partial.replace(self.path)
 
-    def choices(self) -> Dict[MatmulShape, str]:
-        """Entries in this format only (an older file's per-row entries are timed again)."""
-        out = {}
+    def timings(self, exact: bool = False) -> List[Timing]:
+        """The cached measurements (entries in this format only: an older file's per-row entries
+        are timed again), each deciding under ``exact``."""
+        out = []
         for entry in self.entries.values():
             try:
-                out[MatmulShape(**entry["shape"])] = entry["choice"]
-            except (KeyError, TypeError):
+                out.append(Timing.from_entry(entry, exact))
+            except (KeyError, TypeError, AttributeError, ValueError):
                 continue
         return out
+
+    def choices(self, exact: bool = False) -> Dict[MatmulShape, object]:
+        """What each cached shape runs (``Timing.choice``), decided again from its timings: under
+        ``exact``, or with exactness as a budget."""
+        return {t.shape: t.choice for t in self.timings(exact)}
 
 
 def tune_pair(matmuls: QuantizedMatmuls, models: Iterable[nn.Module], cache: TuningCache, everything: bool = False,
               measure=batch_time, progress=None, stock_one=None) -> List[Timing]:
     """Times the pair's shapes the cache lacks (all of them with ``everything``), records them,
-    makes ``matmuls`` use the results, and routes the models again so that only the layers whose
-    kernel won run uncompiled. Returns the new timings."""
+    makes ``matmuls`` use the results (under its ``exact``), and routes the models again so that
+    only the layers whose kernel won run uncompiled. Returns the new timings."""
     models = list(models)
     layers = layers_of(models)
     todo = layers if everything else {s: layers[s] for s in cache.missing(layers)}
-    timings = tune(matmuls.metal, todo, measure, progress, stock_one=stock_one) if todo else []
+    timings = tune(matmuls.metal, todo, measure, progress, stock_one=stock_one, exact=matmuls.exact) if todo else []
     if timings:
         cache.record(timings)
-    matmuls.choices.update(cache.choices())
+    matmuls.choices.update(cache.choices(matmuls.exact))
     for model in models:
         if hasattr(model, "use_quantized_matmuls"):
             model.use_quantized_matmuls(matmuls)
@@ -674,18 +786,46 @@ def tune_pair(matmuls: QuantizedMatmuls, models: Iterable[nn.Module], cache: Tun
     return timings
 
 
-def render_timings(timings: Iterable[Timing]) -> List[str]:
-    """The tuner's table: one line per shape, stock / per-row kernel / tile microseconds per call
-    at each timed row count, whether stock is one row-independent kernel here, the choice (for
-    every row count)."""
+def shape_counts(models: Iterable[nn.Module], dtype: Optional[mx.Dtype] = None) -> Dict[MatmulShape, int]:
+    """How many quantized layers of the models have each shape of ``layers_of``."""
+    counts: Dict[MatmulShape, int] = {}
+    for model in models:
+        for _, m in model.named_modules():
+            if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and kernel_supports(m.bits, m.group_size, m.mode):
+                shape = _shape(m, dtype)
+                counts[shape] = counts.get(shape, 0) + 1
+    return counts
+
+
+def exactness_cost(timings: Iterable[Timing], counts: Optional[Dict[MatmulShape, int]] = None) -> float:
+    """What one implementation per layer for every row count costs the pair's quantized matmuls
+    against the fastest at each row count, as a share of the latter: every timed row count
+    summed, each shape weighted by its layer count (``counts``; one each by default)."""
+    exact = fastest = 0.0
+    for t in timings:
+        n = (counts or {}).get(t.shape, 1)
+        base = sum(t._times()[impl][M] for M, impl in t.fastest.items())
+        fastest += n * base
+        exact += n * base * (1 + t.exactness_cost)
+    return exact / fastest - 1 if fastest > 0 else 0.0
+
+
+def render_timings(timings: Iterable[Timing], counts: Optional[Dict[MatmulShape, int]] = None) -> List[str]:
+    """The tuner's table: one line per shape (with its layer count where ``counts`` gives it),
+    stock / per-row kernel / tile microseconds per call at each timed row count, whether stock is
+    one row-independent kernel here, what exactness costs (``Timing.exactness_cost``) and what the
+    layers run (``Timing.choice``; "exact": the same bits at every row count)."""
     timings = list(timings)
     rows = sorted({m for t in timings for m in t.stock_s})
-    lines = [f"{'shape':<36} " + " ".join(f"{'M=' + str(m) + ' stock/kernel/tile':>26}" for m in rows)
-             + "  stock one kernel  choice"]
+    lines = [f"{'shape':<36} {'layers':>6} " + " ".join(f"{'M=' + str(m) + ' stock/kernel/tile':>26}" for m in rows)
+             + "  stock one kernel  exact costs  runs"]
     for t in timings:
         cells = []
         for m in rows:
             kernel, tile = ("failed" if times is None else f"{times[m] * 1e6:.1f}" for times in (t.kernel_s, t.tile_s))
             cells.append(f"{t.stock_s[m] * 1e6:.1f}/{kernel}/{tile}".rjust(26))
-        lines.append(f"{t.shape.key():<36} " + " ".join(cells) + f"  {str(t.stock_one or 'no'):>16}  {t.choice}")
+        layers = str((counts or {}).get(t.shape, "")) if counts else "-"
+        runs = f"{t.choice} ({'exact' if t.is_exact else 'not exact'})"
+        lines.append(f"{t.shape.key():<36} {layers:>6} " + " ".join(cells)
+                     + f"  {str(t.stock_one or 'no'):>16}  {t.exactness_cost:>10.1%}  {runs}")
     return lines

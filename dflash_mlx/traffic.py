@@ -279,26 +279,47 @@ GPUS = (
 )
 TABLE_GPUS = ("M1", "M3 Pro", "M4 Max")  # one of each family in the cycle tables
 
-# Lane operations per weight, counted from the sources (docs/kernels.md has the derivation):
-# ours, per row and once per call (the decode); stock qmv per row (it runs whole per row);
+# Lane operations per weight, counted from the sources (docs/kernels.md has the derivation), in
+# fma issue slots: shifts, bit extracts (masks) and int->float conversions of the dequantization
+# count INT_OP each, a multiply-accumulate through simdgroup matrices MATRIX_FMA, everything else
+# (fma, float multiply and add, loads, stores, float conversions) one.
+# - INT_OP: a quarter of an fma (the issue's figure for M1/M2, issue 52); on M3 it is what makes the
+#   model meet MLX's measured qmv_wide on an M3 Max (mlx#3863, 5120x17408 4-bit: M = 4, 6, 8 within
+#   2-6%; counting them as one operation each over-charged qmv_wide by 21-23%).
+# - MATRIX_FMA: fitted to qmm on the same M3 Max (0.508 ms at M = 10-16, one 32-row tile; 1.002 ms at
+#   M = 33, two): 1.18 slots per multiply-accumulate; counting one under-charged qmm by 9-11%.
+# Ours, per row and once per call (the decode); stock qmv per row (it runs whole per row);
 # qmv_wide, a dequantization per tile of up to 5 rows and per row a load, convert and fma; qmm, a
-# dequantization into threadgroup memory per 32-row tile and 32 fma (the padding rows computed);
-# unquantized: gemv per row, gemm per 32-row tile.
+# dequantization into threadgroup memory per 32-row tile and 32 matrix multiply-accumulates (the
+# padding rows computed); unquantized: gemv per row, gemm per 32-row tile.
+INT_OP = 0.25
+MATRIX_FMA = 1.18
 OURS_PER_ROW = 1.4375
-OURS_ONCE = {4: 4.625, 8: 4.75}
+# 4-bit: shift, mask, convert (INT_OP each), fma, and the word, scale and bias per 8 (0.625); 8-bit
+# one word more per 8.
+OURS_ONCE = {4: 1.625 + 3 * INT_OP, 8: 1.75 + 3 * INT_OP}
 # The tile kernel (metal/quantized_verify_tile.metal), per weight of one call: once, the
-# dequantization into threadgroup memory (shift, mask, convert, fma, store; word, scale and bias per
-# run of 8; 8-bit and mxfp4 one more per 8) and the load of B (64 elements per 64 weights); per
-# padded row (8 or 16), A's load (64 per 8 rows and 64 weights) and the 8x8x8 multiply-accumulate
-# (512 fma per 8 rows and 64 weights, issued at the fma rate on M1-M4), and the staging store of
-# x (one per element, 32 weights per element); per real row, x's load and convert.
-TILE_ONCE = {4: 5.625 + 1.0, 8: 5.75 + 1.0}
-TILE_PER_PADDED_ROW = 1.125 + 1 / 32
+# dequantization into threadgroup memory (shift, mask, convert at INT_OP; fma, store; word, scale and
+# bias per run of 8; 8-bit and mxfp4 one more per 8) and the load of B (64 elements per 64 weights);
+# per padded row (8 or 16), A's load (64 per 8 rows and 64 weights), the 8x8x8 multiply-accumulate
+# (512 per 8 rows and 64 weights, at MATRIX_FMA), and the staging store of x (one per element, 32
+# weights per element); per real row, x's load and convert.
+TILE_ONCE = {4: 3.625 + 3 * INT_OP, 8: 3.75 + 3 * INT_OP}
+TILE_PER_PADDED_ROW = MATRIX_FMA + 0.125 + 1 / 32
 TILE_PER_ROW = 2 / 32
-QMV_PER_ROW = 4.6
-QMV_WIDE_PER_TILE, QMV_WIDE_PER_ROW = 4.0, 3.0
-QMM_PER_TILE = 5.0 + 32.0
-GEMV_PER_ROW, GEMM_PER_TILE = 1.25, 33.0
+# qmv: per weight a mask and a convert (INT_OP each; MLX pre-scales x instead of shifting), an fma,
+# and x's load, scale and sum with the word's load shared by the simdgroup's rows (2.6 in all).
+QMV_PER_ROW = 2.6 + 2 * INT_OP
+QMV_WIDE_PER_TILE, QMV_WIDE_PER_ROW = 1.0 + 3 * INT_OP, 3.0
+QMM_PER_TILE = 2.0 + 3 * INT_OP + 32 * MATRIX_FMA
+GEMV_PER_ROW, GEMM_PER_TILE = 1.25, 1.0 + 32 * MATRIX_FMA
+# The published measurements the constants above were fitted to: mlx#3863 (katlun-lgtm, 2026-07-22),
+# Apple M3 Max (applegpu_g15s), mx.quantized_matmul of 4-bit weights K = 5120, N = 17408, MLX main
+# before 0.32.1 (batch limit 10 for this shape: qmv at M = 1, qmv_wide at 2-9, qmm from 10),
+# milliseconds per call, min of 15 trials x 30 repeats.
+M3_MAX_MEASURED = {"K": 5120, "N": 17408, "batch_limit": 10,
+                   "ms": {1: 0.129, 2: 0.129, 4: 0.165, 6: 0.263, 8: 0.323, 9: 0.405, 10: 0.508, 12: 0.508,
+                          14: 0.507, 16: 0.509, 32: 0.513, 33: 1.002}}
 CONTEXT = 4096  # keys attended to in the tables
 
 
@@ -567,7 +588,9 @@ def auto_prior(model, facts=None, cap: int = 16) -> Optional[List[float]]:
         draft = _linear_matmuls(model.draft)
     except (AttributeError, KeyError, TypeError, ValueError):
         return None
-    kernels = set(model.matmuls.choices.values()) & {"kernel", "tile"} if model.matmuls is not None else set()
+    # A choice is an implementation's name, or a per-row-count routing (``quantized.Fastest``: ``impls()``).
+    kernels = {impl for choice in (model.matmuls.choices.values() if model.matmuls is not None else ())
+               for impl in (choice.impls() if hasattr(choice, "impls") else (choice,))} & {"kernel", "tile"}
     ours = "tile" if kernels == {"tile"} else bool(kernels)
     decode = pass_seconds(c, 1, gpu, False, matmuls=matmuls)
     return [cycle_seconds(c, b, gpu, ours, draft, matmuls=matmuls) / decode for b in range(1, cap + 1)]
