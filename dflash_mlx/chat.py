@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 from .api import DFlashModel, GenerationResponse, RunTotals, stream_generate
 from .block_policy import describe
-from .prompt_cache import PromptCache
-from .reasoning import START, ReasoningSplitter, opens_reasoning
+from .prompt_cache import PromptCache, PromptCachePool
+from .reasoning import splitters
 
 HELP = """Commands:
   /think   thinking on or off (the model's reasoning is shown dimmed)
@@ -47,7 +47,7 @@ class ChatSession:
     think: bool = False
     generation: Dict = field(default_factory=dict)  # max_tokens, block_tokens, sampling
     history: List[Dict[str, str]] = field(default_factory=list)
-    cache: PromptCache = field(default_factory=PromptCache)
+    cache: Union[PromptCache, PromptCachePool] = field(default_factory=PromptCache)  # a pool: over a disk tier
     stats: RunTotals = field(default_factory=RunTotals)
     last_tokens: List[int] = field(default_factory=list)
 
@@ -70,10 +70,9 @@ class ChatSession:
             self.model, self.tokenizer, messages, prompt_cache=self.cache, checkpoint_at=[len(stable)],
             enable_thinking=self.think, **self.generation,
         )
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                     enable_thinking=self.think)
-        thinks = START in (self.tokenizer.chat_template or "")
-        splitter = ReasoningSplitter(thinks and opens_reasoning(prompt), enabled=thinks)
+        splitter = splitters(self.tokenizer, prompt)()  # the family's reasoning format (reasoning.chat_format)
         self.last_tokens, reasoning = [], ""
 
         def show(thought: str, answer: str) -> None:

@@ -7,6 +7,9 @@ made on first use (``convert_target`` / ``convert_draft``) and kept under ``$DFL
 ``demo``: a tiny Qwen3.5 target trained on the Python standard library and its DFlash draft
 (``dflash_mlx/demo/``, rebuilt by ``examples/make_demo.py``), so that everything runs offline.
 
+A family's pair by name (``PAIRS``: ``qwen3-8b``, ``llama-3.1-8b``, ``gpt-oss-20b``, ...): the
+target's and z-lab's draft's Hugging Face repos, downloaded on first use as published.
+
 ``scripted``: a tiny pair with fixed answers that calls a coding agent's shell tool when asked
 (``agents.scripted_pair``), made under ``$DFLASH_MLX_HOME/scripted`` on first use.
 """
@@ -14,8 +17,9 @@ made on first use (``convert_target`` / ``convert_draft``) and kept under ``$DFL
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 from .convert import DEFAULT_DRAFT, DEFAULT_TARGET, convert_draft
 from .paths import home
@@ -36,6 +40,33 @@ DEMO_CONTEXT = 65536
 DEMO_DRAFT_WINDOW = 1024
 TARGET_FOLDER = "Qwopus3.5-9B-Coder-mlx-4bit"
 DRAFT_FOLDER = "Qwen3.5-9B-DFlash-for-Qwopus"
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A target and the DFlash draft z-lab trained for it (Hugging Face repo ids, loaded as
+    published). ``thinking``: the template's thinking switch the draft was trained with (None: the
+    template's default); ``family``: the model file that runs the target."""
+
+    target: str
+    draft: str
+    family: str
+    thinking: Optional[bool] = None
+
+
+# Each family's pair by name (``--model qwen3-8b``). The draft ids are those z-lab's README lists
+# (github.com/z-lab/dflash); the Gemma 4 ones are named by the GGUF conversions made from them.
+# z-lab's Qwen3-4B/8B drafts were trained with thinking off (their model cards).
+PAIRS: Dict[str, Pair] = {
+    "qwen3-4b": Pair("Qwen/Qwen3-4B", "z-lab/Qwen3-4B-DFlash-b16", "qwen3", thinking=False),
+    "qwen3-8b": Pair("Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16", "qwen3", thinking=False),
+    "qwen3-coder-30b-a3b": Pair("Qwen/Qwen3-Coder-30B-A3B-Instruct", "z-lab/Qwen3-Coder-30B-A3B-DFlash", "qwen3_moe"),
+    "llama-3.1-8b": Pair("meta-llama/Llama-3.1-8B-Instruct", "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat", "llama"),
+    "gpt-oss-20b": Pair("openai/gpt-oss-20b", "z-lab/gpt-oss-20b-DFlash", "gpt_oss"),
+    "gpt-oss-120b": Pair("openai/gpt-oss-120b", "z-lab/gpt-oss-120b-DFlash", "gpt_oss"),
+    "gemma-4-26b-a4b": Pair("google/gemma-4-26B-A4B-it", "z-lab/gemma-4-26B-A4B-it-DFlash", "gemma4"),
+    "gemma-4-31b": Pair("google/gemma-4-31B-it", "z-lab/gemma-4-31B-it-DFlash", "gemma4"),
+}
 
 
 def demo(draft: Optional[str] = None) -> Tuple[str, str]:
@@ -66,11 +97,23 @@ def context_size(model: Optional[str], given: Optional[int]) -> Optional[int]:
     return given
 
 
+def template_args(model: Optional[str], given: Dict) -> Dict:
+    """The chat template's arguments for every request a server answers: ``given``
+    (``--chat-template-args``) over a named pair's thinking switch (its draft's training)."""
+    pair = PAIRS.get(model) if model is not None else None
+    if pair is None or pair.thinking is None:
+        return given
+    return {"enable_thinking": pair.thinking, **given}
+
+
 def resolve(model: Optional[str], draft: Optional[str]) -> Tuple[str, Optional[str]]:
-    """``--model``/``--draft`` as given, ``demo``, or the default pair (converted and cached on first
-    use). (``scripted`` is made by ``agents.scripted_pair``, a front end's, above this layer.)"""
+    """``--model``/``--draft`` as given, ``demo``, a named pair (``PAIRS``), or the default pair
+    (converted and cached on first use). (``scripted`` is made by ``agents.scripted_pair``, a front
+    end's, above this layer.)"""
     if model == DEMO:
         return demo(draft)
+    if model in PAIRS:
+        return PAIRS[model].target, draft or PAIRS[model].draft
     if model is not None:
         return model, draft
     target_dir = home() / TARGET_FOLDER

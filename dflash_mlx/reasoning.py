@@ -1,6 +1,8 @@
 """Reasoning apart from the answer, as Qwen3.5 writes them: the generation prompt opens
 ``<think>`` (the template's default), the model writes its reasoning, ``</think>``, then the
-answer. Editors show ``content``; the reasoning goes to ``reasoning_content``.
+answer. Editors show ``content``; the reasoning goes to ``reasoning_content``. Other families
+(``chat_format``, read from the chat template): Qwen3's and Gemma 4's tags (``splitters``), gpt-oss's
+harmony channels (``HarmonySplitter``), none for Llama 3.1.
 
 Handled: a prompt that already opened the block (the model starts inside it), one that did not
 (the model may open it itself, or answer at once), a model that never closes it (max tokens
@@ -32,14 +34,24 @@ def thinking_switch(chat_template_kwargs: Optional[dict], reasoning_effort: Opti
     return effort != "none"
 
 
+def effort_kwargs(reasoning_effort: Optional[str], reasoning: Optional[dict]) -> dict:
+    """The request's reasoning effort for templates that take one (gpt-oss's ``reasoning_effort``:
+    low, medium or high; other templates ignore it): ``reasoning_effort`` or ``reasoning.effort``."""
+    effort = reasoning_effort if reasoning_effort is not None else (reasoning or {}).get("effort")
+    return {"reasoning_effort": effort} if effort in ("low", "medium", "high") else {}
+
+
 class ReasoningSplitter:
     """Feeds on the answer's text as it streams; returns what is reasoning and what is content.
-    Text that could still be the start of a tag is held back until it is decided."""
+    Text that could still be the start of a tag is held back until it is decided. ``start`` and
+    ``end`` are the family's tags (Qwen's ``<think>``/``</think>`` unless told: see ``splitters``)."""
 
-    def __init__(self, opened: bool, enabled: bool = True):
+    def __init__(self, opened: bool, enabled: bool = True, start: str = START, end: str = END):
         self.state = "answer" if not enabled else "reasoning" if opened else "before"
         self.pending = ""
         self.strip_after_end = False
+        self.strip_after_start = False  # the newline after the start tag may come in a later piece
+        self.start, self.end = start, end
 
     def push(self, text: str) -> Tuple[str, str]:
         self.pending += text
@@ -55,19 +67,26 @@ class ReasoningSplitter:
                 content, self.pending = content + self.pending, ""
             elif self.state == "before":
                 head = self.pending.lstrip()
-                if head.startswith(START):
-                    self.pending, self.state = head[len(START):].lstrip("\n"), "reasoning"
-                elif START.startswith(head):
+                if head.startswith(self.start):
+                    self.pending, self.state = head[len(self.start):], "reasoning"
+                    self.strip_after_start = True
+                elif self.start.startswith(head):
                     break  # whitespace or a partial "<think>": wait for more
                 else:
                     self.state = "answer"
             else:  # reasoning
-                end = self.pending.find(END)
+                if self.strip_after_start:
+                    stripped = self.pending.lstrip("\n")
+                    if not stripped:
+                        self.pending = ""
+                        break
+                    self.pending, self.strip_after_start = stripped, False
+                end = self.pending.find(self.end)
                 if end >= 0:
                     reasoning += self.pending[:end]
-                    self.pending, self.state, self.strip_after_end = self.pending[end + len(END):], "answer", True
+                    self.pending, self.state, self.strip_after_end = self.pending[end + len(self.end):], "answer", True
                     continue
-                hold = partial_suffix(self.pending, END)
+                hold = partial_suffix(self.pending, self.end)
                 reasoning += self.pending[: len(self.pending) - hold]
                 self.pending = self.pending[len(self.pending) - hold:]
                 break
@@ -93,3 +112,128 @@ def partial_suffix(text: str, tag: str) -> int:
         if text.endswith(tag[:n]):
             return n
     return 0
+
+
+# Each family's answer format, read from the loaded chat template (never from the model's name).
+QWEN, GEMMA4, HARMONY, LLAMA3 = "qwen", "gemma4", "harmony", "llama3"
+GEMMA4_START, GEMMA4_END = "<|channel>thought", "<channel|>"
+# Harmony (gpt-oss): each message is a header, <|message|>, its text, and an end (<|end|>, or
+# <|call|> / <|return|>, the stop tokens, which the answer's text does not carry).
+H_START, H_CHANNEL, H_MESSAGE, H_ENDS = "<|start|>", "<|channel|>", "<|message|>", ("<|end|>", "<|call|>", "<|return|>")
+H_CALL = H_START + "assistant to="  # a call as the template writes it back (see HarmonySplitter)
+
+
+def chat_format(chat_template) -> str:
+    """The answer format a chat template teaches: ``harmony`` (gpt-oss's channels), ``gemma4``
+    (``<|channel>thought`` … ``<channel|>``, ``<|tool_call>`` blocks), ``llama3`` (Llama 3.1's bare
+    JSON calls), else ``qwen`` (``<think>``, ``<tool_call>``: Qwen3, Qwen3-Coder, Qwen3.5)."""
+    template = chat_template if isinstance(chat_template, str) else ""
+    if H_CHANNEL in template and H_MESSAGE in template:
+        return HARMONY
+    if "<|channel>" in template and "<channel|>" in template:
+        return GEMMA4
+    if "<|start_header_id|>" in template and ("<|python_tag|>" in template or '"parameters"' in template):
+        return LLAMA3
+    return QWEN
+
+
+def template_messages(tokenizer, messages):
+    """Messages as the family's template reads them: gpt-oss's takes an answer's reasoning as
+    ``thinking`` (the routes carry it as ``reasoning_content``), and refuses it beside the content of
+    an answer that calls a tool (it is left out there); other templates take them as they are."""
+    if chat_format(getattr(tokenizer, "chat_template", None)) != HARMONY:
+        return messages
+    out = []
+    for m in messages:
+        if isinstance(m, dict) and m.get("reasoning_content") and "thinking" not in m:
+            thought, m = m["reasoning_content"], {k: v for k, v in m.items() if k != "reasoning_content"}
+            if not (m.get("tool_calls") and m.get("content")):
+                m["thinking"] = thought
+        out.append(m)
+    return out
+
+
+def splitters(tokenizer, prompt_ids):
+    """Fresh reasoning splitters for the answers to a prompt, in the tokenizer's family format:
+    on when the template thinks, starting inside the reasoning when the prompt opened it."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    kind = chat_format(template)
+    if kind == HARMONY:
+        return HarmonySplitter
+    if kind == LLAMA3:
+        return lambda: ReasoningSplitter(False, enabled=False)
+    start, end = (GEMMA4_START, GEMMA4_END) if kind == GEMMA4 else (START, END)
+    thinks = start in template
+    tail = tokenizer.decode(list(prompt_ids)[-16:]) if thinks else ""
+    opened = thinks and tail.rfind(start) > tail.rfind(end)
+    return lambda: ReasoningSplitter(opened, enabled=thinks, start=start, end=end)
+
+
+class HarmonySplitter:
+    """gpt-oss's harmony messages apart: ``analysis`` is reasoning, ``final`` (and ``commentary``
+    meant for the user) is content. A message to a tool (``to=functions.NAME`` in its header) goes to
+    the content side written as its template writes calls back
+    (``<|start|>assistant to=functions.NAME<|channel|>commentary json<|message|>ARGS<|call|>``), where
+    the tool-call scanner takes it; offered no tools, a client reads the raw call. Headers are held
+    until their ``<|message|>``, and text that could start an end tag until it is decided."""
+
+    def __init__(self):
+        self.pending, self.header, self.inside = "", None, False
+
+    def push(self, text: str) -> Tuple[str, str]:
+        self.pending += text
+        reasoning = content = ""
+        while self.pending:
+            if not self.inside:  # a header: [<|start|>role][ to=X]<|channel|>name[ to=X][ <|constrain|>json]
+                at = self.pending.find(H_MESSAGE)
+                if at < 0:
+                    break
+                self.header, self.pending, self.inside = self.pending[:at], self.pending[at + len(H_MESSAGE):], True
+                recipient = self._recipient()
+                if recipient:
+                    content += f"{H_CALL}{recipient}{H_CHANNEL}commentary json{H_MESSAGE}"
+                continue
+            ends = [(self.pending.find(tag), tag) for tag in H_ENDS if tag in self.pending]
+            if ends:
+                at, tag = min(ends)
+                body, self.pending, self.inside = self.pending[:at], self.pending[at + len(tag):], False
+                r, c = self._body(body, closed=True)
+                reasoning, content = reasoning + r, content + c
+                continue
+            hold = max(partial_suffix(self.pending, tag) for tag in H_ENDS)
+            r, c = self._body(self.pending[: len(self.pending) - hold], closed=False)
+            reasoning, content = reasoning + r, content + c
+            self.pending = self.pending[len(self.pending) - hold:]
+            break
+        return reasoning, content
+
+    def _recipient(self) -> str:
+        for part in self.header.replace(H_CHANNEL, " ").replace("<|constrain|>", " ").split():
+            if part.startswith("to=") and part != "to=assistant":
+                return part[len("to="):]
+        return ""
+
+    def _channel(self) -> str:
+        after = self.header.split(H_CHANNEL, 1)[1] if H_CHANNEL in self.header else ""
+        return (after.replace("<|constrain|>", " ").split() or [""])[0]
+
+    def _body(self, text: str, closed: bool) -> Tuple[str, str]:
+        """A message's text (``closed``: up to its end tag): where it goes."""
+        if self._recipient():
+            return "", text + (H_ENDS[1] if closed else "")
+        if self._channel() == "analysis":
+            return text, ""
+        return "", text
+
+    def whole(self, text: str) -> Tuple[str, str]:
+        thought, answer = self.push(text)
+        more_thought, more_answer = self.flush()
+        return thought + more_thought, answer + more_answer
+
+    def flush(self) -> Tuple[str, str]:
+        """The answer ended (a call ends at its stop token ``<|call|>``, which the text lacks)."""
+        held, self.pending = self.pending, ""
+        if not self.inside:
+            return "", held  # a header that never reached its message: the text it was
+        self.inside = False
+        return self._body(held, closed=True)

@@ -1,6 +1,10 @@
-"""Tool calls in an answer's text, found as it streams: Qwen3.5's ``<tool_call>`` blocks
-(``<function=NAME>`` with ``<parameter=P>`` values), parsed by mlx-lm's parser for the model's
-template, which types each value by the tool's JSON schema. Text outside the blocks passes through.
+"""Tool calls in an answer's text, found as it streams, in the format the model's chat template
+teaches (``reasoning.chat_format``): Qwen's ``<tool_call>`` blocks (Qwen3.5 and Qwen3-Coder's
+``<function=NAME>`` with ``<parameter=P>`` values, Qwen3's JSON) and Gemma 4's ``<|tool_call>call:NAME{..}
+<tool_call|>``, parsed by mlx-lm's parser for the template, which types values by the tool's JSON
+schema; gpt-oss's harmony calls (``to=functions.NAME``, JSON arguments; ``reasoning.HarmonySplitter``
+hands them over); Llama 3.1's answer that is a JSON call (``{"name": .., "parameters": ..}``,
+optionally after ``<|python_tag|>``). Text outside the calls passes through.
 """
 
 from __future__ import annotations
@@ -10,7 +14,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
 
-from ..reasoning import partial_suffix
+from ..reasoning import H_CALL, H_CHANNEL, H_ENDS, H_MESSAGE, HARMONY, LLAMA3, chat_format, partial_suffix
+
+PYTHON_TAG = "<|python_tag|>"
 
 
 @dataclass
@@ -35,14 +41,23 @@ class ToolCallScanner:
     A block that does not parse comes back as the text it was (nothing is lost)."""
 
     def __init__(self, tokenizer, tools: Optional[List[Dict[str, Any]]]):
-        usable = tokenizer is not None and tools and getattr(tokenizer, "has_tool_calling", False)
-        self.start = tokenizer.tool_call_start if usable else None
-        self.end = tokenizer.tool_call_end if usable else None
+        kind = chat_format(getattr(tokenizer, "chat_template", None)) if tokenizer is not None and tools else None
+        self.start = self.end = None
+        self.leading = kind == LLAMA3  # the whole answer is the call, or none of it is
+        self.parser = None
+        if kind == HARMONY:
+            self.start, self.end, self.parser = H_CALL, H_ENDS[1], harmony_call
+        elif kind is not None and not self.leading and getattr(tokenizer, "has_tool_calling", False):
+            self.start, self.end = tokenizer.tool_call_start, tokenizer.tool_call_end
+            self.parser = tokenizer.tool_parser
         self.tokenizer, self.tools = tokenizer, tools
         self.pending, self.inside = "", False
+        self.decided = False  # Llama 3.1: the answer's start has shown whether it is a call
         self.calls = 0
 
     def push(self, text: str) -> List[Union[str, ToolCall]]:
+        if self.leading:
+            return self._push_leading(text)
         if self.start is None:
             return [text] if text else []
         self.pending += text
@@ -67,9 +82,45 @@ class ToolCallScanner:
         return [piece for piece in out if not isinstance(piece, str) or piece]
 
     def flush(self) -> List[Union[str, ToolCall]]:
-        """The answer ended: an unclosed block is text."""
+        """The answer ended: an unclosed block is text (Llama 3.1: a held answer is a call if it parses)."""
         held, self.pending, self.inside = self.pending, "", False
+        if self.leading and held and not self.decided:
+            return self._leading_calls(held)
         return [held] if held else []
+
+    def _push_leading(self, text: str) -> List[Union[str, ToolCall]]:
+        """Llama 3.1 writes a call as its whole answer: an answer that starts with ``{`` or
+        ``<|python_tag|>`` is held to its end (``flush``); any other passes through at once."""
+        if self.decided:
+            return [text] if text else []
+        self.pending += text
+        head = self.pending.lstrip()
+        if not head or head.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(head):
+            return []
+        held, self.pending, self.decided = self.pending, "", True
+        return [held]
+
+    def _leading_calls(self, text: str) -> List[Union[str, ToolCall]]:
+        """A held Llama 3.1 answer: its JSON calls (``;``-separated, ``parameters`` or
+        ``arguments``), or, when any part is not one, the text it was."""
+        body = text.strip()
+        body = body[len(PYTHON_TAG):].strip() if body.startswith(PYTHON_TAG) else body
+        decoder, at, calls = json.JSONDecoder(), 0, []
+        try:
+            while at < len(body):
+                call, at = decoder.raw_decode(body, at)
+                name, arguments = call.get("name"), call.get("parameters", call.get("arguments", {}))
+                if not isinstance(name, str) or not name or not isinstance(arguments, dict):
+                    raise ValueError(f"not a call: {call!r}")
+                calls.append(ToolCall(name, arguments, "call_" + uuid.uuid4().hex[:24], self.calls + len(calls)))
+                while at < len(body) and body[at] in " \n\t;":
+                    at += 1
+        except (ValueError, AttributeError):
+            return [text]
+        if not calls:
+            return [text]
+        self.calls += len(calls)
+        return calls
 
     def _parse(self, block: str) -> List[Union[str, ToolCall]]:
         """The block's calls; a block the parser refuses, or whose calls lack a name or have
@@ -77,7 +128,7 @@ class ToolCallScanner:
         body = block[len(self.start): -len(self.end)].strip()
         calls = []
         try:
-            parsed = self.tokenizer.tool_parser(body, self.tools)
+            parsed = self.parser(body, self.tools)
             for call in parsed if isinstance(parsed, list) else [parsed]:
                 name, arguments = call["name"], call.get("arguments") or {}
                 if isinstance(arguments, str):
@@ -91,6 +142,15 @@ class ToolCallScanner:
             return [block]  # not a well-formed call: leave it as text
         self.calls += len(calls)
         return calls
+
+
+def harmony_call(body: str, tools=None) -> Dict[str, Any]:
+    """A harmony call as ``HarmonySplitter`` hands it over (``functions.NAME<|channel|>commentary
+    json<|message|>ARGS``): its name without the ``functions.`` namespace, its JSON arguments."""
+    header, _, arguments = body.partition(H_MESSAGE)
+    name = header.split(H_CHANNEL, 1)[0].strip()
+    return {"name": name[len("functions."):] if name.startswith("functions.") else name,
+            "arguments": json.loads(arguments) if arguments.strip() else {}}
 
 
 def answer_parts(text: str, splitter, scanner: ToolCallScanner):
