@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
-from mlx_lm.generate import GenerationResponse as MlxLmResponse
 from mlx_lm.generate import wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -21,12 +19,11 @@ from .models.dflash import DFlashDraft, quantize_draft
 from .models.qwen3_5 import Model as Target
 from .prompt_cache import PromptCache, PromptCachePool
 from .quant import parse_quant
-from .reasoning import partial_suffix
 from .sampling import Sampler
-from .records import Cancelled, Commit
+from .records import Cancelled
+from .responses import GenerationResponse, Prompt, Responder, encode_prompt
 from .runner import DecodeRequest, Local, Pipelined, PipelineLayout
 
-Prompt = Union[str, Sequence[int], Sequence[Dict[str, Any]], mx.array]
 
 
 @dataclass
@@ -74,24 +71,6 @@ class DFlashModel:
         cache = cache or quantized.TuningCache.for_this_device()
         return quantized.tune_pair(matmuls, models, cache, everything=everything, measure=measure, progress=progress,
                                    stock_one=stock_one)
-
-
-@dataclass
-class GenerationResponse(MlxLmResponse):
-    """mlx-lm's response plus acceptance statistics of the run so far."""
-
-    cycles: int = 0  # target steps taken after the prompt
-    accepted_tokens: int = 0  # drafted tokens that were accepted
-    drafted_tokens: int = 0  # drafted tokens that were verified
-    tokens_per_cycle: float = 0.0  # committed tokens per target step
-    cached_prompt_tokens: int = 0  # prompt tokens reused from a PromptCache (not prefilled)
-    block_tokens: int = 0  # size of the cycle that committed this token (0: the prompt's token)
-    block_histogram: Dict[int, int] = field(default_factory=dict)  # cycles so far per block size
-    stop_sequence: Optional[str] = None  # the stop string that ended the answer, if one did
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
 
 @dataclass
@@ -146,6 +125,7 @@ def load(
     matmuls: Any = "auto",
     stages: Union[None, str, Sequence[int]] = None,
     peer_timeout: float = 30.0,
+    exact: bool = False,
 ) -> tuple[DFlashModel, TokenizerWrapper]:
     """Load a Qwen3.5 target (HF or MLX layout, local or from the Hub) and optionally a draft.
 
@@ -160,6 +140,10 @@ def load(
     ``matmuls``: ``"auto"`` routes quantized layers through the verify-matmul kernel on an Apple
     GPU where it measured faster (the first load of a pair's shapes on a device times them, a
     few seconds, cached under ``$DFLASH_MLX_HOME``); None keeps MLX's stock quantized matmul.
+    ``exact``: every routed layer runs one implementation for every row count, so that a verify
+    row is bit for bit its decode step whatever that costs; by default a layer where that costs
+    more than ``quantized.EXACT_BUDGET`` of its share of a cycle runs the fastest at each row
+    count (greedy output may then differ from the target alone at its top-2 near-ties).
 
     In a process group of several ranks (``mx.distributed.init()``, e.g. under ``mlx.launch``) the
     target is pipelined: each rank loads its stage's layers, balanced by weight bytes unless
@@ -192,7 +176,9 @@ def load(
         model.draft.compute_in(device.draft_activation_dtype() if draft_dtype == "auto" else draft_dtype)
         mx.eval(model.draft.parameters())
     if matmuls == "auto":
-        matmuls = quantized.QuantizedMatmuls.for_this_process()
+        matmuls = quantized.QuantizedMatmuls.for_this_process(exact=exact)
+    elif exact and matmuls is not None and not matmuls.exact:
+        raise ValueError("exact=True with a QuantizedMatmuls built with exact=False: build it with exact=True")
     if matmuls is not None:
         with TuningProgress() as progress:
             model.use_quantized_matmuls(matmuls, progress=progress)
@@ -253,51 +239,6 @@ def warn_if_converted_for_another_tokenizer(draft_config: Dict[str, Any], target
     return message
 
 
-def encode_prompt(tokenizer: TokenizerWrapper, prompt: Prompt, enable_thinking: Optional[bool] = None) -> mx.array:
-    """Token ids for a string, a list of ids, or chat messages (chat template applied)."""
-    if isinstance(prompt, mx.array):
-        return prompt.reshape(-1)
-    if isinstance(prompt, str):
-        bos = tokenizer.bos_token
-        add_special = bos is None or not prompt.startswith(bos)
-        return mx.array(tokenizer.encode(prompt, add_special_tokens=add_special))
-    prompt = list(prompt)
-    if prompt and isinstance(prompt[0], dict):
-        extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, **extra)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return mx.array(ids)
-    if not all(isinstance(t, int) for t in prompt):
-        raise TypeError("prompt must be a string, a list of token ids or a list of chat messages")
-    return mx.array(prompt)
-
-
-class _StopText:
-    """Incremental text with stop strings; holds back what could still become one."""
-
-    def __init__(self, stops: Sequence[str]):
-        self.stops = [s for s in stops if s]
-        self.pending = ""
-        self.matched: Optional[str] = None  # the stop string that ended the text
-
-    def push(self, segment: str) -> tuple[str, bool]:
-        self.pending += segment
-        for s in self.stops:
-            i = self.pending.find(s)
-            if i >= 0:
-                out, self.pending, self.matched = self.pending[:i], "", s
-                return out, True
-        hold = max((partial_suffix(self.pending, s) for s in self.stops), default=0)
-        cut = len(self.pending) - hold
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
-
-
 def stream_generate(
     model: Union[DFlashModel, Target],
     tokenizer: TokenizerWrapper,
@@ -334,9 +275,11 @@ def stream_generate(
     between calls: a prompt that shares a prefix with an earlier one (the next chat turn, the
     same file context) only prefills the rest; ``checkpoint_at`` lists prompt positions worth a
     checkpoint (e.g. where the next turn's prompt will start to differ).
-    ``cancelled``: polled between prefill chunks; when it returns True the prefill stops there
-    (the cache keeps what was fed) and nothing is yielded. ``prefill_step_size``: prompt tokens per
-    prefill chunk (default: this backend's, ``prefill.default_prefill_step``).
+    ``cancelled``: polled before every prefill chunk and every cycle; when it returns True the
+    request stops there (the cache keeps what was fed and committed) and nothing more is yielded.
+    ``prefill_step_size``: prompt tokens per prefill chunk (default: this backend's,
+    ``prefill.default_prefill_step``). The request runs through the one decode protocol
+    (``driver.Driver``) as a batch of one: the same computation as in a server's batch.
 
     Pipelined (``model.runner``): on rank 0 this sends the request to the other ranks and yields
     the answer (``logprobs`` None: they stay on the last rank); on every other rank it takes part
@@ -350,15 +293,20 @@ def stream_generate(
     request = _decode_request(model, tokenizer, prompt, max_tokens, block_tokens, sampler, temp, top_p, top_k, min_p,
                               seed, use_draft, prefill_step_size, enable_thinking)
     run = model.runner.start(model, request, prompt_cache, checkpoint_at, cancelled)
+    respond = Responder(tokenizer, request.prompt.size, stop or [], max_tokens)
     # As mlx-lm does: the weights wired in memory while generating (Metal; a no-op elsewhere).
     try:
         with wired_limit(model.target):
-            yield from _responses(run.steps, tokenizer, request.prompt.size, run.reused, stop or [], max_tokens,
-                                  run.history)
+            for commit in run.steps:
+                if respond.n == 0:
+                    respond.start(run.reused, run.started)
+                yield from respond(commit)
+                if respond.finished:
+                    return
     except Cancelled:
         return
     finally:
-        run.close()  # undoes the step in flight: the caches hold exactly the recorded tokens
+        run.close()  # abandons the cycle in flight: the caches hold exactly the recorded tokens
 
 
 def _decode_request(model: DFlashModel, tokenizer, prompt: Prompt, max_tokens: int, block_tokens, sampler, temp: float,
@@ -384,97 +332,6 @@ def serve_pipeline(model: DFlashModel) -> None:
     """On a pipeline's ranks other than 0: take part in every request rank 0 sends, until rank 0
     calls ``model.runner.close()`` (the CLI's ``generate``, ``serve`` and ``bench`` do)."""
     model.runner.follow(model, forever=True)
-
-
-def _responses(steps, tokenizer, prompt_tokens: int, reused: int, stop: Sequence[str], max_tokens: int,
-               history: Optional[PromptCache]) -> Iterator[GenerationResponse]:
-    """The decode loop's commits as per-token responses: text, stop strings, statistics."""
-    respond = Responder(tokenizer, prompt_tokens, reused, stop, max_tokens, history)
-    for commit in steps:
-        yield from respond(commit)
-        if respond.finished:
-            return
-
-
-class Responder:
-    """Turns a request's commits, as they come, into per-token responses: text (detokenized, stop
-    strings held back), finish reasons and statistics; records the committed tokens in the
-    request's prompt-cache ``history``. ``finished`` once a response carries a finish reason."""
-
-    def __init__(self, tokenizer, prompt_tokens: int, reused: int, stop: Sequence[str], max_tokens: int,
-                 history: Optional[PromptCache]):
-        self.detokenizer = tokenizer.detokenizer
-        self.detokenizer.reset()
-        self.stop_text = _StopText(stop)
-        self.eos = set(tokenizer.eos_token_ids)
-        self.prompt_tokens, self.reused, self.max_tokens, self.history = prompt_tokens, reused, max_tokens, history
-        self.tic = time.perf_counter()
-        self.prompt_tps = 0.0
-        self.n = self.cycles = self.accepted = self.drafted = 0
-        self.histogram: Dict[int, int] = {}
-        self.pending: List[int] = []  # the last committed token: the next step feeds it
-        self.finished = False
-
-    def __call__(self, commit: Commit) -> List[GenerationResponse]:
-        if self.history is not None:
-            self.history.extend(self.pending + commit.tokens[:-1])
-            self.pending = commit.tokens[-1:]
-        if self.n == 0:
-            self.prompt_tps = (self.prompt_tokens - self.reused) / (time.perf_counter() - self.tic)
-            self.tic = time.perf_counter()
-        else:
-            self.cycles += 1
-            self.histogram = {**self.histogram, commit.drafted + 1: self.histogram.get(commit.drafted + 1, 0) + 1}
-        self.accepted += commit.accepted
-        self.drafted += commit.drafted
-        out = []
-        for i, token in enumerate(commit.tokens):
-            out.append(self._token(commit, i, token))
-            if self.n % 256 == 0:
-                mx.clear_cache()  # MLX's buffer cache handed back every 256 tokens, as mlx-lm does
-            if self.finished:
-                break
-        return out
-
-    def _token(self, commit: Commit, i: int, token: int) -> GenerationResponse:
-        self.n += 1
-        n, detokenizer, stop_text = self.n, self.detokenizer, self.stop_text
-        finish = None
-        if token in self.eos:
-            detokenizer.finalize()
-            text, finish = stop_text.push(detokenizer.last_segment)[0] + stop_text.flush(), "stop"
-        else:
-            detokenizer.add_token(token)
-            text, stopped = stop_text.push(detokenizer.last_segment)
-            if stopped:
-                finish = "stop"
-            elif n >= self.max_tokens:
-                detokenizer.finalize()
-                text += stop_text.push(detokenizer.last_segment)[0] + stop_text.flush()
-                finish = "length"
-        self.finished = finish is not None
-        elapsed = time.perf_counter() - self.tic
-        cycles = self.cycles
-        return GenerationResponse(
-            text=text,
-            token=token,
-            logprobs=commit.logprobs[i] if commit.logprobs is not None else None,
-            from_draft=i < commit.accepted,
-            prompt_tokens=self.prompt_tokens,
-            prompt_tps=self.prompt_tps,
-            generation_tokens=n,
-            generation_tps=n / elapsed if elapsed > 0 else 0.0,
-            peak_memory=mx.get_peak_memory() / 1e9,
-            finish_reason=finish,
-            cycles=cycles,
-            accepted_tokens=self.accepted,
-            drafted_tokens=self.drafted,
-            tokens_per_cycle=(n - 1) / cycles if cycles else 0.0,
-            cached_prompt_tokens=self.reused,
-            block_tokens=commit.drafted + 1 if cycles else 0,
-            block_histogram=self.histogram,
-            stop_sequence=stop_text.matched,
-        )
 
 
 def generate(

@@ -1,10 +1,9 @@
 """The decode cycle, for one sequence or several: draft every drafting sequence's block in one pass,
 verify all their rows in one target pass, then each sequence accepts, rolls back and stops on its own.
 
-``Decoder.dispatch`` queues a cycle (nothing read back), ``resolve`` reads it back once and commits,
-``undo`` puts the caches back where the cycle found them. The single-stream loop
-(``speculative.speculative``) dispatches the next cycle before yielding the last one's tokens; the
-scheduler (``scheduler.Scheduler``) runs ``cycle`` (dispatch, then resolve) over its batch.
+``Decoder.dispatch`` queues a cycle (nothing read back); ``resolve`` reads it back once and commits,
+putting the caches of sequences that left meanwhile back where the cycle found them. The driver
+(``driver.Driver``) dispatches a batch's next cycle before handing out the last one's commits.
 
 A sequence's result never depends on the rest of the batch (docs/design.md, "Batched decoding"):
 what mixes rows runs per sequence on its own rows and caches (attention, the Gated DeltaNet
@@ -148,7 +147,7 @@ class Pass:
 class Decoder:
     """The cycle over sequences of one target and draft (``draft`` None: plain steps).
     ``min_rows``: rows fed to each sequence at least (``batch_min_rows()`` for a batch whose
-    sequences must not depend on each other; 1 for the single-stream loop). ``shared_calls``:
+    sequences must not depend on each other, what the driver uses for every request). ``shared_calls``:
     whether the draft's hand-off and head after a verify pass take every sequence's rows in one
     call (default ``products_row_independent()``). The tests run a GPU's rules (two rows, a call
     per sequence) on the CPU too, so that the path a Mac takes runs here."""
@@ -213,9 +212,9 @@ class Decoder:
                 need = rows
         return going
 
-    def dispatch(self, batch: Seq[Sequence], undoable: bool = False) -> Pass:
-        """Plan, draft and verify, queued: nothing is read back. ``undoable``: keep what ``undo``
-        needs. ``batch`` must fit one pass (``fit``)."""
+    def dispatch(self, batch: Seq[Sequence]) -> Pass:
+        """Plan, draft and verify, queued: nothing is read back. ``batch`` must fit one pass
+        (``fit``)."""
         started = time.perf_counter()
         steps = self._plan(batch)
         rows = max(max(s.block for s in steps), self.min_rows)
@@ -226,7 +225,7 @@ class Decoder:
         for seq, step in zip(batch, steps):
             tokens = seq.token if step.block == 1 else mx.concatenate([seq.token, step.proposals.astype(seq.token.dtype)])
             fed.append(tokens if tokens.size == rows else mx.concatenate([tokens, mx.repeat(tokens[-1:], rows - tokens.size)]))
-            step.undo = snapshot(seq.cache) if undoable else None
+            step.undo = snapshot(seq.cache)  # references and lengths: what ``resolve`` restores a leaver to
         self.rows = len(batch) * rows
         own = [max(step.block, self.min_rows) for step in steps]  # what each one's attention takes
         cache = batch[0].cache if len(batch) == 1 else batch_view([seq.cache for seq in batch], own)
@@ -243,8 +242,8 @@ class Decoder:
         """Read the cycle back (its one host synchronisation), roll each sequence back to what it
         committed, feed its draft, tell its controller. ``since``: when the cycle's time starts (the
         single-stream loop counts from the previous read-back; default: the dispatch). ``dropped``:
-        the positions of sequences that left while the cycle ran (dispatched ``undoable``): their
-        caches go back to where the cycle found them, as at ``undo``, and their commit is None."""
+        the positions of sequences that left while the cycle ran: their caches go back to where the
+        cycle found them (the one way to abandon a cycle), and their commit is None."""
         mx.eval([s.outputs for s in p.steps])
         # Each sequence's controller is told the whole cycle's time: what its stream waited for its
         # tokens. A block within the pass's length costs it only draft rows; one that lengthens the
@@ -265,13 +264,6 @@ class Decoder:
         return [None if i in dropped else
                 self._commit(seq, step, p.logits[i, : accepted[i] + 1], accepted[i], features[i], seconds)
                 for i, (seq, step) in enumerate(zip(p.batch, p.steps))]
-
-    def undo(self, p: Pass) -> None:
-        """Put every sequence's target cache back where the cycle found it (dispatched ``undoable``);
-        the plain steps' features it had not handed off reach the draft, as at ``finish``."""
-        for seq, step in zip(p.batch, p.steps):
-            restore(seq.cache, step.undo)
-            self.finish(seq)
 
     def finish(self, seq: Sequence) -> None:
         """A sequence leaving: its plain steps' features reach the draft, so that its draft cache is

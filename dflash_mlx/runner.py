@@ -9,6 +9,7 @@ role is ``leads``: the leader takes requests, a follower enters ``follow`` and t
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -18,14 +19,13 @@ import mlx.core as mx
 from mlx_lm.generate import wired_limit
 
 from . import loading
-from .block_policy import AutoBlock, BlockTokens
+from .driver import Driver, Request
 from .models.dflash import DraftArgs, resolve_taps
 from .pipeline import Pipeline, PipelinedTarget, stages
 from .pipeline.link import Link
 from .prompt_cache import PromptCache, PromptCachePool
-from .records import Cancelled, Commit
+from .records import Commit
 from .sampling import Sampler
-from .speculative import speculative, target_only
 
 
 @dataclass(frozen=True)
@@ -55,51 +55,40 @@ class DecodeRequest:
                    message["prefill_step_size"], set(message["stop_tokens"]))
 
 
-def drafting(model, sampler: Sampler, setting: BlockTokens, use_draft: bool, seed: Optional[int]):
-    """The draft to run (None: the target alone) and its block size or ``BlockChooser``."""
-    draft = model.draft if use_draft else None
-    cap = setting.cap(draft.block_size if draft is not None else None) if use_draft else 1
-    if cap == 1:
-        return None, None  # no draft slot: plain decoding
-    # Auto's choices follow measured times, and a sampled cycle's random draws depend on its size:
-    # a seeded sampled request drafts whole blocks, so the seed gives the same text every time.
-    # Shadow probes grade drafts by matching greedy tokens: greedy only.
-    if setting.auto and (sampler.greedy or seed is None):
-        return draft, AutoBlock(model.block_stats, cap, shadow=sampler.greedy)
-    return draft, cap
-
-
-def decode(target, draft, chooser, draft_window: Optional[int], request: DecodeRequest, prompt: mx.array,
-           cache=None, draft_cache=None, on_chunk=None, split_at: Sequence[int] = ()) -> Iterator[Commit]:
-    """The request's decode loop over ``prompt`` (what the caches do not hold yet): DFlash with a
-    draft, else the target alone."""
-    r = request
-    if draft is not None:
-        return speculative(target, draft, prompt, r.sampler, chooser, r.prefill_step_size, draft_window, cache,
-                           draft_cache, on_chunk, split_at, r.max_tokens, r.stop_tokens)
-    return target_only(target, prompt, r.sampler, r.prefill_step_size, cache, on_chunk, split_at, r.max_tokens,
-                       r.stop_tokens)
-
-
 @dataclass
 class Run:
-    """A request under way on the leader: its commits, the prompt tokens taken from a prompt cache,
-    the ``history`` its committed tokens are recorded in (None: no prompt cache) and the ``pool``
-    that history goes back to."""
+    """A request under way on the leader: its commits as they come (closing the stream abandons
+    the cycle in flight) and, where it decodes here, the driver's view of it (``request``: the
+    prompt tokens a prompt cache held, when its prefill began)."""
 
     steps: Iterator[Commit]
-    reused: int = 0
-    history: Optional[PromptCache] = None
-    pool: Optional[PromptCachePool] = None
+    request: Optional[Request] = None
+
+    @property
+    def reused(self) -> int:
+        return self.request.reused if self.request is not None else 0
+
+    @property
+    def started(self) -> Optional[float]:
+        return self.request.admitted if self.request is not None else None
 
     def close(self) -> None:
-        """Undo the step in flight (the caches hold exactly the recorded tokens); settle and free
-        the history."""
         self.steps.close()
-        if self.history is not None:
-            self.history.settle()
-        if self.pool is not None:
-            self.pool.release(self.history)
+
+
+def drive(model, target, request: DecodeRequest, pool: Optional[PromptCachePool] = None,
+          history: Optional[PromptCache] = None, checkpoint_at: Sequence[int] = (),
+          cancelled: Optional[Callable[[], bool]] = None) -> Run:
+    """``request`` through the driver (``driver.Driver``) as a batch of one, on ``target`` (the
+    model's, or a pipeline's last stage) and the model's draft: the protocol every request
+    follows, alone or batched."""
+    driver = Driver(target, model.draft, model.draft_window, model.block_stats, prompt_cache=pool,
+                    prefill_step_size=request.prefill_step_size)
+    commits: deque = deque()
+    r = Request(request.prompt, lambda commit: commits.append(commit) or False, request.sampler, request.max_tokens,
+                request.block_tokens, request.seed, request.use_draft, request.stop_tokens, checkpoint_at,
+                history=history, cancelled=cancelled or (lambda: False))
+    return Run(driver.stream(r, commits), r)
 
 
 class Local:
@@ -121,48 +110,17 @@ class Local:
 
     def start(self, model, request: DecodeRequest, prompt_cache: Union[None, PromptCache, PromptCachePool] = None,
               checkpoint_at: Sequence[int] = (), cancelled: Optional[Callable[[], bool]] = None) -> Run:
-        """The request's decode loop in this process, on the caches of ``prompt_cache`` if given."""
-        draft, chooser = drafting(model, request.sampler, BlockTokens.parse(request.block_tokens), request.use_draft,
-                                  request.seed)
-        if prompt_cache is None:
-            def after_chunk(fed: int) -> None:
-                if cancelled is not None and cancelled():
-                    raise Cancelled
-
-            return Run(decode(model.target, draft, chooser, model.draft_window, request, request.prompt,
-                              on_chunk=after_chunk))
-        return _on_prompt_cache(model, draft, chooser, request, prompt_cache, checkpoint_at, cancelled)
+        """The request in this process, on the caches of ``prompt_cache`` if given (a history of
+        its own, or a pool to take one from and give it back to)."""
+        pool = prompt_cache if isinstance(prompt_cache, PromptCachePool) else None
+        history = prompt_cache if isinstance(prompt_cache, PromptCache) else None
+        return drive(model, model.target, request, pool, history, checkpoint_at, cancelled)
 
     def follow(self, model, forever: bool = False) -> None:
         raise RuntimeError("this process runs its own requests: it has no leader to follow")
 
     def close(self) -> None:
         """Nothing to tell anyone: the process holds everything."""
-
-
-def _on_prompt_cache(model, draft, chooser, request: DecodeRequest, prompt_cache: Union[PromptCache, PromptCachePool],
-                     checkpoint_at: Sequence[int], cancelled: Optional[Callable[[], bool]]) -> Run:
-    """The decode loop on a prompt cache's history: only what it does not hold yet is prefilled,
-    and the prompt is recorded (with its checkpoints) as the prefill feeds it."""
-    pool = prompt_cache if isinstance(prompt_cache, PromptCachePool) else None
-    ids = request.prompt.tolist()
-    history = pool.take(ids) if pool is not None else prompt_cache
-    try:
-        reused = history.prepare(model.target, draft, ids, model.draft_window, checkpoint_at)
-    except BaseException:
-        if pool is not None:
-            pool.release(history)  # else it would stay busy, never reused nor evicted
-        raise
-    split_at = [p - reused for p in history.split_points()]
-
-    def after_chunk(fed: int) -> None:
-        history.fed(reused + fed)
-        if cancelled is not None and cancelled():
-            raise Cancelled
-
-    steps = decode(model.target, draft, chooser, model.draft_window, request, request.prompt[reused:], history.cache,
-                   history.draft_cache, after_chunk, split_at)
-    return Run(steps, reused, history, pool)
 
 
 class Pipelined:
@@ -225,10 +183,7 @@ class Pipelined:
 
 def _last_rank_decode(model, message: Dict[str, Any], target: PipelinedTarget) -> Iterator[Commit]:
     """The last rank's decode loop for a request from rank 0, exactly as one process runs it."""
-    request = DecodeRequest.from_message(message)
-    draft, chooser = drafting(model, request.sampler, BlockTokens.parse(request.block_tokens), request.use_draft,
-                              request.seed)
-    return decode(target, draft, chooser, model.draft_window, request, request.prompt)
+    return drive(model, target, DecodeRequest.from_message(message)).steps
 
 
 class PipelineLayout:

@@ -29,7 +29,7 @@ from dflash_mlx.loading import load_draft
 from dflash_mlx.models.dflash import quantize_draft
 from dflash_mlx.models.dflash2 import DFlash2Draft
 from dflash_mlx.sampling import Sampler
-from dflash_mlx.speculative import target_only
+from dflash_mlx.speculative import speculative
 from dflash_mlx.train import block_hidden
 
 
@@ -105,7 +105,7 @@ def main():
     for suite, prompt in ((suite, p) for suite in suites for p in SUITES[suite]):
         # The target's greedy answer and its features: every setting is scored on them.
         ids = encode_prompt(tokenizer, [{"role": "user", "content": prompt}])
-        commits = target_only(target, ids, Sampler(), max_tokens=args.tokens, stop_tokens=tokenizer.eos_token_ids)
+        commits = speculative(target, None, ids, Sampler(), max_tokens=args.tokens, stop_tokens=tokenizer.eos_token_ids)
         sequence = mx.concatenate([ids, mx.array([t for c in commits for t in c.tokens], dtype=ids.dtype)])
         _, features = target.forward(sequence[None], taps=draft.target_layer_ids)
         answers.append((suite, sequence, features, mx.arange(ids.size - 1, sequence.size - args.block + 1)))

@@ -213,16 +213,12 @@ def test_a_request_sent_round_a_pipeline_decodes_on_the_last_rank_as_here(pair):
     import json
 
     from dflash_mlx.api import encode_prompt
-    from dflash_mlx.block_policy import BlockTokens
-    from dflash_mlx.runner import DecodeRequest, decode, drafting
+    from dflash_mlx.runner import DecodeRequest, drive
 
     model, tokenizer = pair
 
     def tokens(request):
-        draft, chooser = drafting(model, request.sampler, BlockTokens.parse(request.block_tokens), request.use_draft,
-                                  request.seed)
-        return [t for c in decode(model.target, draft, chooser, model.draft_window, request, request.prompt)
-                for t in c.tokens]
+        return [t for c in drive(model, model.target, request).steps for t in c.tokens]
 
     ids = encode_prompt(tokenizer, "def fibonacci(n):")
     for use_draft, block in ((True, 4), (False, "auto")):

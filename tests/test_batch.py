@@ -23,7 +23,7 @@ from dflash_mlx.cache import GatedDeltaCache
 from dflash_mlx.loading import load_target
 from dflash_mlx.sampling import Sampler, propose
 from dflash_mlx.scheduler import BatchRequest, Scheduler, batch_generate
-from dflash_mlx.speculative import target_only
+from tests.reference import target_only
 from tests.conftest import VOCAB, dflash2_config, make_draft, make_hf_moe_target, random_prompts, write_dflash2_draft
 from tests.test_lossless import assert_lossless, take
 
@@ -775,14 +775,14 @@ def test_a_stop_string_while_the_next_cycle_is_in_flight_leaves_the_history_as_r
     while not scheduler.idle:
         scheduler.step()
         rounds += 1
-        if requests[0]._leaving and stopped_at is None:
+        if requests[0].driven._leaving and stopped_at is None:
             stopped_at = rounds
         if 0 in done and left_at is None:
             left_at = rounds
     assert stopped_at is not None and left_at == stopped_at + 1, (stopped_at, left_at)  # the next round
     assert sorted(done) == [0, 1]
     assert requests[1].last.text is not None and not pool.busy
-    history = requests[0]._history or max(pool.histories, key=lambda h: h.shared_prefix(prompts[0]))
+    history = requests[0].driven._history or max(pool.histories, key=lambda h: h.shared_prefix(prompts[0]))
     for layer in history.cache:
         offset = layer.offset
         assert offset == len(history.tokens), (offset, len(history.tokens))

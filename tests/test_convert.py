@@ -14,7 +14,8 @@ import pytest
 
 from dflash_mlx import load, tiny
 from dflash_mlx.sampling import Sampler
-from dflash_mlx.speculative import speculative, target_only
+from dflash_mlx.speculative import speculative
+from tests.reference import target_only
 from tests import subprocess_env
 from tests.fake_hub import FakeHub
 from tests.test_lossless import take

@@ -81,7 +81,7 @@ def test_the_demo_draft_keeps_its_measured_acceptance(demo):
 
 
 def test_auto_keeps_its_measured_acceptance_on_the_demo(demo, monkeypatch):
-    from dflash_mlx import runner
+    from dflash_mlx import driver
     from dflash_mlx.block_policy import AutoBlock, BlockStats
 
     class ModelledTimes(AutoBlock):
@@ -89,7 +89,7 @@ def test_auto_keeps_its_measured_acceptance_on_the_demo(demo, monkeypatch):
             super().observe(block, accepted, cycle_cost(block), *args, **kwargs)
 
     model, tokenizer = demo
-    monkeypatch.setattr(runner, "AutoBlock", ModelledTimes)
+    monkeypatch.setattr(driver, "AutoBlock", ModelledTimes)
     monkeypatch.setattr(model, "block_stats", BlockStats())  # as a fresh load starts
     got = tokens_per_cycle(model, tokenizer, "auto")
     assert got >= AUTO_TOKENS_PER_CYCLE_FLOOR, (got, AUTO_TOKENS_PER_CYCLE_MEASURED)

@@ -9,6 +9,7 @@ import pytest
 
 from dflash_mlx import loading
 from dflash_mlx import speculative as loop
+from tests.reference import target_only
 from dflash_mlx.models.dflash2 import DFlash2Draft, grouped_dynamic_convolve
 from dflash_mlx.sampling import Sampler
 from tests import subprocess_env, test_sampling
@@ -106,7 +107,7 @@ def test_the_dense_q_is_the_sparse_one_scattered(dflash2, target):
 @pytest.mark.parametrize("block", range(2, 9))
 def test_greedy_dflash2_is_lossless_at_every_block(target, dflash2, block):
     for prompt in random_prompts(4, VOCAB, seed=block):
-        expected, _ = take(loop.target_only(target, prompt, GREEDY), 24)
+        expected, _ = take(target_only(target, prompt, GREEDY), 24)
         got, _ = take(loop.speculative(target, dflash2, prompt, GREEDY, block_tokens=block), 24)
         assert_lossless(target, prompt, expected, got)
 
@@ -199,7 +200,7 @@ def test_quantized_dflash2_drafts_stay_lossless_and_keep_their_codebooks(dflash2
     assert type(draft.candidate_selector.successor_codebook) is nn.Embedding  # never quantized
     assert isinstance(draft.layers[0].attention_conv.kernel_projection, nn.QuantizedLinear)
     for prompt in random_prompts(3, VOCAB, seed=21):
-        expected, _ = take(loop.target_only(target, prompt, GREEDY), 20)
+        expected, _ = take(target_only(target, prompt, GREEDY), 20)
         got, _ = take(loop.speculative(target, draft, prompt, GREEDY, block_tokens=8), 20)
         assert_lossless(target, prompt, expected, got)
 

@@ -17,7 +17,8 @@ from dflash_mlx.models.dflash import (
 )
 from dflash_mlx.quant import parse_quant
 from dflash_mlx.sampling import Sampler
-from dflash_mlx.speculative import speculative, target_only
+from dflash_mlx.speculative import speculative
+from tests.reference import target_only
 from tests.conftest import VOCAB, make_draft, random_prompts
 from tests.test_lossless import assert_lossless, take
 

@@ -20,7 +20,8 @@ import pytest
 from dflash_mlx import kernels
 from dflash_mlx.loading import load_target
 from dflash_mlx.sampling import Sampler
-from dflash_mlx.speculative import speculative, target_only
+from dflash_mlx.speculative import speculative
+from tests.reference import target_only
 from tests import test_sampling
 from tests.conftest import VOCAB, make_draft, make_hf_target, random_prompts
 from tests.metal_emulation import HIGHEST_FIRST, LOWEST_FIRST, EmulatedMetal, mutated_sources

@@ -25,7 +25,8 @@ from dflash_mlx import tiny
 from dflash_mlx.loading import CheckpointError, load_target
 from dflash_mlx.models import layers
 from dflash_mlx.sampling import Sampler
-from dflash_mlx.speculative import speculative, target_only
+from dflash_mlx.speculative import speculative
+from tests.reference import target_only
 from tests.conftest import FAMILIES, VOCAB, make_hf_family_target, random_prompts, release_config
 from tests.test_lossless import OracleDraft, assert_caches_hold_the_committed_tokens, assert_lossless, stop_after, take
 from tests.test_target import PROMPT, assert_cached_decoding_matches_the_full_forward
@@ -135,8 +136,13 @@ def test_cached_decoding_matches_the_full_forward(target):
 def test_refused_configs_are_clear_errors(family, hf_dir, tmp_path):
     config = json.loads((hf_dir / "config.json").read_text())
     (tmp_path / "model.safetensors").symlink_to(hf_dir / "model.safetensors")
-    (tmp_path / "config.json").write_text(json.dumps({**config, "use_sliding_window": True, "sliding_window": 8}))
-    with pytest.raises(CheckpointError, match="sliding-window layers"):
+    layer_types = ["linear_attention"] + ["full_attention"] * (config["num_hidden_layers"] - 1)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "layer_types": layer_types}))
+    with pytest.raises(CheckpointError, match=r"layer types \['linear_attention'\] are not attention layers"):
+        load_target(tmp_path)
+    sliding = ["sliding_attention"] * config["num_hidden_layers"]
+    (tmp_path / "config.json").write_text(json.dumps({**config, "layer_types": sliding, "sliding_window": 0}))
+    with pytest.raises(CheckpointError, match="need a sliding_window of at least 1, got 0"):
         load_target(tmp_path)
     draft = tiny.draft_config(config)
     (tmp_path / "config.json").write_text(json.dumps(draft))  # a draft's config says model_type qwen3

@@ -250,7 +250,8 @@ def test_model_rollback_goes_through_its_recurrence(hf_target_dir, draft):
     while they trace, once per shape."""
     from dflash_mlx.loading import load_target
     from dflash_mlx.sampling import Sampler
-    from dflash_mlx.speculative import speculative, target_only
+    from dflash_mlx.speculative import speculative
+    from tests.reference import target_only
     from tests.test_lossless import take
 
     calls = {"gated_delta": 0, "tape_replay": 0}

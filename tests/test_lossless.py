@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 from dflash_mlx.block_policy import AutoBlock, BlockStats
-from dflash_mlx.cache import GatedDeltaCache
+from dflash_mlx.cache import GatedDeltaCache, WindowCache
 from dflash_mlx.models.dflash import quantize_draft
 from dflash_mlx.sampling import Sampler, propose
-from dflash_mlx.speculative import speculative, target_only
+from dflash_mlx.speculative import speculative
+from tests.reference import target_only
 from tests.conftest import VOCAB, make_draft, random_prompts
 
 GREEDY = Sampler()
@@ -159,6 +160,10 @@ def _cache_tensors(cache):
         if isinstance(c, GatedDeltaCache):
             out.append(("conv", c.offset, host(c.conv_state)))
             out.append(("state", c.offset, host(c.state)))
+        elif isinstance(c, WindowCache):  # the rows a next pass reads (those before are dropped)
+            keys, values = c.checkpoint()
+            out.append(("window keys", c.offset, host(keys)))
+            out.append(("window values", c.offset, host(values)))
         else:
             out.append(("keys", c.offset, host(c.keys[..., : c.offset, :])))
             out.append(("values", c.offset, host(c.values[..., : c.offset, :])))

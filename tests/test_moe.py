@@ -13,7 +13,8 @@ import pytest
 from dflash_mlx.loading import CheckpointError, load_target
 from dflash_mlx.models import qwen3_5_moe
 from dflash_mlx.sampling import Sampler
-from dflash_mlx.speculative import speculative, target_only
+from dflash_mlx.speculative import speculative
+from tests.reference import target_only
 from tests import subprocess_env
 from tests.conftest import VOCAB, make_draft, make_hf_moe_target, random_prompts
 from tests.test_lossless import (

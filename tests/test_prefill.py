@@ -103,6 +103,7 @@ def test_a_windowed_draft_is_fed_only_the_features_it_keeps(target, draft, monke
     target's."""
     from dflash_mlx import decoder
     from dflash_mlx import speculative as loop
+    from tests.reference import target_only
     from dflash_mlx.sampling import Sampler
 
     tokens, window = prompt(300, seed=3), 40
@@ -128,22 +129,23 @@ def test_a_windowed_draft_is_fed_only_the_features_it_keeps(target, draft, monke
         assert window <= used < window + 64 and used <= used_full  # the window, from the grid before it
         np.testing.assert_allclose(np.array(c.keys[..., used - window : used, :]),
                                    np.array(f.keys[..., used_full - window : used_full, :]), atol=1e-5, rtol=0)
-    alone = [c.tokens[0] for c in loop.target_only(target, tokens, Sampler(), max_tokens=12)]
+    alone = [c.tokens[0] for c in target_only(target, tokens, Sampler(), max_tokens=12)]
     windowed = [t for c in loop.speculative(target, draft, tokens, Sampler(), 4, draft_window=window, max_tokens=12)
                 for t in c.tokens]
     assert windowed[:12] == alone
 
 
 def test_the_draft_cache_grows_once_for_a_prompt(target, draft):
-    """The loop reserves room for the prompt's features before its prefill: the draft's context
+    """The decoder reserves room for the prompt's features before its prefill: the draft's context
     cache is allocated once, not reallocated (old, new and a copy alive) every chunk."""
-    from dflash_mlx import speculative as loop
+    from dflash_mlx.block_policy import FixedBlock
+    from dflash_mlx.decoder import Decoder
     from dflash_mlx.sampling import Sampler
 
     cache, capacities = draft.make_cache(), []
-    steps = loop.speculative(target, draft, prompt(600, seed=4), Sampler(), 4, prefill_step_size=128, draft_cache=cache,
-                             on_chunk=lambda fed: capacities.append(cache[0].keys.shape[2]))
-    next(steps)
+    for _ in Decoder(target, draft).start(prompt(600, seed=4), Sampler(), FixedBlock(4), draft_cache=cache,
+                                          prefill_step_size=128):  # one chunk a step
+        capacities.append(cache[0].keys.shape[2])
     assert len(capacities) == 6 and set(capacities) == {768}, capacities  # 600 + a block, in steps of 256
 
 

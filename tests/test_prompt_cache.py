@@ -232,9 +232,9 @@ def test_a_cancelled_prefill_stops_between_chunks_and_leaves_a_usable_cache(pair
     model, tokenizer = pair
     cache, prompt, chunks = PromptCache(), ids(17, 300), []
 
-    def cancel_after_two():
+    def cancel_after_two():  # polled before every round: before the first chunk, then after each
         chunks.append(len(cache.tokens))
-        return len(chunks) >= 2
+        return len(chunks) >= 3
 
     out = list(stream_generate(model, tokenizer, prompt, max_tokens=4, prompt_cache=cache, prefill_step_size=64,
                                cancelled=cancel_after_two, block_tokens=4))

@@ -12,6 +12,7 @@ from safetensors.numpy import load_file, save_file
 
 from dflash_mlx import loading, tiny
 from dflash_mlx import speculative as loop
+from tests.reference import target_only
 from dflash_mlx.loading import CheckpointError, load_target
 from dflash_mlx.sampling import Sampler
 from tests.conftest import dflash2_config, spread_weights, write_dflash2_draft
@@ -101,6 +102,6 @@ def test_a_dflash2_draft_on_qwen3_8_is_lossless(qwen3_8_dir, tmp_path):
     draft, _ = loading.load_draft(tmp_path)
     draft = draft.bind(target)
     prompt = mx.array(PROMPT[0].astype(np.int32))
-    expected, _ = take(loop.target_only(target, prompt, Sampler()), 24)
+    expected, _ = take(target_only(target, prompt, Sampler()), 24)
     got, _ = take(loop.speculative(target, draft, prompt, Sampler(), block_tokens=8), 24)
     assert_lossless(target, prompt, expected, got)

@@ -17,6 +17,7 @@ from scipy.stats import chisquare
 from dflash_mlx import sampling
 from dflash_mlx import decoder
 from dflash_mlx import speculative as loop
+from tests.reference import target_only
 from dflash_mlx.loading import load_target
 from dflash_mlx.sampling import Sampler, make_sampler
 from tests.conftest import make_draft, make_hf_target
@@ -218,14 +219,20 @@ def test_the_all_accepted_bonus_draw_follows_the_target(small_pair, monkeypatch)
     assert pvalue < 1e-4, f"a bonus drawn from the wrong row is not caught (p={pvalue:.2g})"
 
 
-def test_target_only_sampling_follows_its_distribution(small_pair):
-    """The baseline samples from the same filtered distribution (sanity of the reference)."""
+@pytest.mark.parametrize("loop", ["the package's plain decoding", "the tests' reference"])
+def test_plain_sampling_follows_its_distribution(small_pair, loop):
+    """Plain decoding (the driver with no draft) and the tests' reference loop sample from the same
+    filtered distribution."""
+    from dflash_mlx.speculative import speculative
+
     target, _ = small_pair
     sampler = SAMPLERS[1].for_request(1)
     p1 = reference_probs(sampler, target(PROMPT[None])[0, -1])
     counts = np.zeros(V)
     for _ in range(SAMPLES):
-        counts[next(loop.target_only(target, PROMPT, sampler, max_tokens=1)).tokens[0]] += 1
+        steps = (speculative(target, None, PROMPT, sampler, max_tokens=1) if loop.startswith("the package")
+                 else target_only(target, PROMPT, sampler, max_tokens=1))
+        counts[next(steps).tokens[0]] += 1
     assert goodness_of_fit(counts, p1) > 1e-3
 
 
@@ -412,7 +419,7 @@ def test_requests_draw_from_their_own_generator(small_pair):
     def run(seed, use_draft=True):
         sampler = SAMPLERS[0].for_request(seed)
         steps = (loop.speculative(target, draft, PROMPT, sampler, block_tokens=4, max_tokens=16) if use_draft
-                 else loop.target_only(target, PROMPT, sampler, max_tokens=16))
+                 else loop.speculative(target, None, PROMPT, sampler, max_tokens=16))
         return [t for commit in steps for t in commit.tokens]
 
     mx.random.seed(0)

@@ -18,7 +18,8 @@ from dflash_mlx.api import load
 from dflash_mlx.loading import load_draft
 from dflash_mlx.models.dflash import DFlashDraft, DraftArgs
 from dflash_mlx.sampling import Sampler
-from dflash_mlx.speculative import speculative, target_only
+from dflash_mlx.speculative import speculative
+from tests.reference import target_only
 from dflash_mlx.train import (
     TrainConfig,
     answer_windows,

@@ -1,7 +1,7 @@
 """One request through a pipelined target: the cycle protocol.
 
-The last rank runs the ordinary decode loop (``speculative`` or ``target_only``, with the draft
-and the sampler) on a ``PipelinedTarget``. Each pass of that loop sends a header and its tokens
+The last rank runs the one decode protocol (``driver.Driver``, a batch of one, with the draft and
+the sampler) on a ``PipelinedTarget``. Each pass of that loop sends a header and its tokens
 to rank 0, which embeds them and runs its layers; every rank hands the header and its output
 (hidden states, then the tapped layers' features so far) to the next; the last rank runs its
 layers and the head. A header is ``[kind, trim, count, tapped, dtype]``: ``trim`` is how many
