@@ -46,6 +46,7 @@ KERNEL_IO = {
     "tape_replay": (("state_in", "k", "g", "delta", "T", "steps"), ("state_out",)),
     "quantized_verify": (("x", "w", "scales", "biases", "M", "K", "N"), ("y",)),
     "quantized_verify_tile": (("x", "w", "scales", "biases", "M", "K", "N"), ("y",)),
+    "quantized_verify_splash": (("x", "w", "scales", "biases", "M", "K", "N"), ("y",)),  # splash.py; not routed
     MLX_LM_KERNEL: (("q", "k", "v", "g", "beta", "state_in", "T"), ("y", "state_out")),
 }
 THREADGROUP = (32, 4, 1)  # one simdgroup per value row, four rows of one head per threadgroup
@@ -300,6 +301,7 @@ FALLBACKS = {
     "tape_replay": "the pure-MLX replay",
     "quantized_verify": "MLX's stock quantized_matmul (for every row count of the layers of this form)",
     "quantized_verify_tile": "MLX's stock quantized_matmul (for every row count of the layers of this form)",
+    "quantized_verify_splash": "MLX's stock quantized_matmul (for every row count of the layers of this form)",
     MLX_LM_KERNEL: "the pure-MLX recurrence",
 }
 

@@ -34,6 +34,7 @@
 #pragma once
 
 typedef unsigned int uint;
+typedef unsigned short ushort;
 
 typedef unsigned long ulong;
 struct ulong2 {
@@ -102,8 +103,10 @@ void simdgroup_load(Matrix& d, Pointer src, ulong elements_per_row = 8, ulong2 m
 template <typename Matrix, typename Pointer>
 void simdgroup_store(const Matrix& a, Pointer dst, ulong elements_per_row = 8, ulong2 matrix_origin = ulong2(0, 0),
                      bool transpose_matrix = false);
-template <typename Matrix>
-void simdgroup_multiply_accumulate(Matrix& d, const Matrix& a, const Matrix& b, const Matrix& c);
+template <typename D, typename A, typename B, typename C>
+void simdgroup_multiply_accumulate(D& d, const A& a, const B& b, const C& c);
+template <typename T, typename U>
+T as_type(U value);
 template <typename Matrix>
 void simdgroup_multiply(Matrix& d, const Matrix& a, const Matrix& b);
 namespace emu {
@@ -227,24 +230,36 @@ void simdgroup_store(const simdgroup_matrix<T, 8, 8>& a, T* dst, ulong elements_
 }
 
 // d = a * b + c, each element in ascending k with one rounding per product (see the header).
-template <int Rows, int Inner, int Cols>
-void simdgroup_multiply_accumulate(simdgroup_matrix<float, Cols, Rows>& d, const simdgroup_matrix<float, Inner, Rows>& a,
-                                   const simdgroup_matrix<float, Cols, Inner>& b,
+// a and b may hold half or bfloat (Metal's mixed-precision form, float accumulator): each operand
+// widens exactly to float, so the product is the exact one, rounded once into the accumulator.
+template <int Rows, int Inner, int Cols, typename TA, typename TB>
+void simdgroup_multiply_accumulate(simdgroup_matrix<float, Cols, Rows>& d, const simdgroup_matrix<TA, Inner, Rows>& a,
+                                   const simdgroup_matrix<TB, Cols, Inner>& b,
                                    const simdgroup_matrix<float, Cols, Rows>& c) {
   simdgroup_matrix<float, Cols, Rows> out;
   for (int i = 0; i < Rows; ++i)
     for (int j = 0; j < Cols; ++j) {
       float acc = c.elements[i][j];
-      for (int k = 0; k < Inner; ++k) acc = std::fma(a.elements[i][k], b.elements[k][j], acc);
+      for (int k = 0; k < Inner; ++k)
+        acc = std::fma(static_cast<float>(a.elements[i][k]), static_cast<float>(b.elements[k][j]), acc);
       out.elements[i][j] = acc;
     }
   d = out;
 }
 
-template <int Rows, int Inner, int Cols>
-void simdgroup_multiply(simdgroup_matrix<float, Cols, Rows>& d, const simdgroup_matrix<float, Inner, Rows>& a,
-                        const simdgroup_matrix<float, Cols, Inner>& b) {
+template <int Rows, int Inner, int Cols, typename TA, typename TB>
+void simdgroup_multiply(simdgroup_matrix<float, Cols, Rows>& d, const simdgroup_matrix<TA, Inner, Rows>& a,
+                        const simdgroup_matrix<TB, Cols, Inner>& b) {
   simdgroup_multiply_accumulate(d, a, b, make_filled_simdgroup_matrix<float, Cols, Rows>(0.0f));
+}
+
+// Metal's as_type: the same bits as another type of the same size.
+template <typename T, typename U>
+T as_type(U value) {
+  static_assert(sizeof(T) == sizeof(U), "as_type between types of different sizes");
+  T out;
+  std::memcpy(&out, &value, sizeof(T));
+  return out;
 }
 
 // Address-space qualifiers last: `thread` would otherwise break std::thread in the runtime.
