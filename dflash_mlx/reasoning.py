@@ -140,8 +140,12 @@ def chat_format(chat_template) -> str:
 def template_messages(tokenizer, messages):
     """Messages as the family's template reads them: gpt-oss's takes an answer's reasoning as
     ``thinking`` (the routes carry it as ``reasoning_content``), and refuses it beside the content of
-    an answer that calls a tool (it is left out there); other templates take them as they are."""
-    if chat_format(getattr(tokenizer, "chat_template", None)) != HARMONY:
+    an answer that calls a tool (it is left out there); Gemma 4's reads tool results only as
+    ``tool_responses`` (see ``gemma4_tool_turns``); other templates take them as they are."""
+    kind = chat_format(getattr(tokenizer, "chat_template", None))
+    if kind == GEMMA4:
+        return gemma4_tool_turns(messages)
+    if kind != HARMONY:
         return messages
     out = []
     for m in messages:
@@ -150,6 +154,31 @@ def template_messages(tokenizer, messages):
             if not (m.get("tool_calls") and m.get("content")):
                 m["thinking"] = thought
         out.append(m)
+    return out
+
+
+def gemma4_tool_turns(messages):
+    """Tool results as Gemma 4's template documents them: it writes a ``tool`` message's ``content``
+    as bare text, and ``tool_responses`` (``[{"name": .., "response": ..}]``) as
+    ``<|tool_response>response:NAME{value:..}<tool_response|>`` in a ``<|turn>tool`` turn. The
+    routes send OpenAI-style ``{"role": "tool", "tool_call_id", "content"}``: consecutive ones
+    become one turn, each named after the call it answers (``unknown`` where no call has its id,
+    as the template writes a nameless one); the response is the text the client sent."""
+    names, out, turn = {}, [], None
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") != "tool" or "tool_responses" in m:
+            for call in (m.get("tool_calls") or []) if isinstance(m, dict) else []:
+                if isinstance(call, dict) and call.get("id") is not None:
+                    names[call["id"]] = (call.get("function") or call).get("name")
+            out.append(m)
+            continue
+        name = m.get("name") or names.get(m.get("tool_call_id")) or "unknown"
+        response = {"name": name, "response": m.get("content") if m.get("content") is not None else ""}
+        if out and out[-1] is turn:
+            turn["tool_responses"].append(response)
+        else:
+            turn = {"role": "tool", "tool_responses": [response]}
+            out.append(turn)
     return out
 
 

@@ -165,7 +165,14 @@ GEMMA4 = (
     "{%- if ns_args.found_first %},{% endif -%}{%- set ns_args.found_first = true -%}"
     "{{- key -}}:{{- format_argument(value) -}}{%- endfor -%}{%- endif -%}{{- '}<tool_call|>' -}}{%- endfor -%}"
     "{%- set ns.prev_message_type = 'tool_call' -%}{%- endif -%}"
-    "{%- if message['content'] is string -%}{{- message['content'] | trim -}}{%- endif -%}{{- '<turn|>\\n' -}}{%- endfor -%}"
+    "{%- if message['tool_responses'] -%}{%- for tool_response in message['tool_responses'] -%}{{- '<|tool_response>' -}}"
+    "{%- if tool_response['response'] is mapping -%}{{- 'response:' + tool_response['name'] | default('unknown') + '{' -}}"
+    "{%- for key, value in tool_response['response'] | dictsort -%}{{- key -}}:{{- format_argument(value) -}}"
+    "{%- if not loop.last %},{% endif -%}{%- endfor -%}{{- '}' -}}"
+    "{%- else -%}{{- 'response:' + tool_response['name'] | default('unknown') + '{value:' + format_argument(tool_response['response']) + '}' -}}"
+    "{%- endif -%}{{- '<tool_response|>' -}}{%- endfor -%}{%- set ns.prev_message_type = 'tool_response' -%}{%- endif -%}"
+    "{%- if message['content'] is string -%}{{- message['content'] | trim -}}{%- endif -%}"
+    "{%- if not (message['tool_responses'] and not message['content']) -%}{{- '<turn|>\\n' -}}{%- endif -%}{%- endfor -%}"
     "{%- if add_generation_prompt -%}{%- if ns.prev_message_type != 'tool_response' -%}{{- '<|turn>model\\n' -}}{%- endif -%}"
     "{%- if not enable_thinking | default(false) -%}{{- '<|channel>thought\\n<channel|>' -}}{%- endif -%}{%- endif -%}"
 )
@@ -366,15 +373,93 @@ def test_the_call_goes_back_as_the_template_writes_it(served):
                                                       "max_tokens": 40, "temperature": 0})
     assert reply.status_code == 200, reply.text
     rendered_call = dict(call, function=dict(call["function"], arguments=json.loads(call["function"]["arguments"])))
-    expected = USER + [{"role": "assistant", "tool_calls": [rendered_call]}, history[2]]
+    result = GEMMA4_SUNNY if family.name == "gemma4" else history[2]  # Gemma 4's reads tool_responses only
+    expected = USER + [{"role": "assistant", "tool_calls": [rendered_call]}, result]
     if family.reasoning:
         expected[1]["thinking" if family.name == "gpt-oss" else "reasoning_content"] = family.reasoning
     text = tokenizer.apply_chat_template(expected, tools=TOOLS, add_generation_prompt=True, tokenize=False, **kwargs(family))
     assert family.call_back in text
+    if family.name == "gemma4":
+        assert text.endswith(GEMMA4_RESULT.format(name="get_weather", value="sunny"))
     if family.name == "gpt-oss":  # gpt-oss's template writes a call's reasoning back (the others drop it here)
         assert f"<|channel|>analysis<|message|>{REASONING}<|end|>" in text
     ids = tokenizer.apply_chat_template(expected, tools=TOOLS, add_generation_prompt=True, **kwargs(family))
     assert reply.json()["usage"]["prompt_tokens"] == len(ids)
+
+
+# A tool's result as Gemma 4's template documents it: ``tool_responses`` on a tool turn, which the
+# answer continues (no ``<turn|>``, no new model turn).
+GEMMA4_SUNNY = {"role": "tool", "tool_responses": [{"name": "get_weather", "response": "sunny"}]}
+GEMMA4_RESULT = '<|tool_response>response:{name}{{value:<|"|>{value}<|"|>}}<tool_response|>'
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory):
+    with serving(next(f for f in FAMILIES if f.name == "gemma4"), tmp_path_factory.mktemp("gemma4_results")) as served:
+        yield served
+
+
+@pytest.mark.parametrize("route", ["chat", "messages", "responses"])
+def test_gemma4_tool_results_render_as_its_template_writes_them(gemma4, route):
+    """Two calls and their results (the second given first, as a client may) sent back through each
+    route: the prompt is the template's rendering of them as ``tool_responses`` in one tool turn,
+    each named after its call (the oracle: the documented form, written here, through the template)."""
+    from dflash_mlx.reasoning import template_messages
+
+    family, client, tokenizer, _ = gemma4
+    cities = {"call_1": "Paris", "call_2": "Lyon"}
+    weather = {"call_1": "sunny", "call_2": "rain"}
+    if route == "chat":
+        calls = [{"id": i, "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": c})}}
+                 for i, c in cities.items()]
+        history = USER + [{"role": "assistant", "content": None, "tool_calls": calls}] + [
+            {"role": "tool", "tool_call_id": i, "content": weather[i]} for i in ("call_2", "call_1")]
+        reply = client.post("/v1/chat/completions", json={"model": "tiny", "messages": history, "tools": TOOLS,
+                                                          "max_tokens": 1}).json()
+        counted = reply["usage"]["prompt_tokens"]
+    elif route == "messages":
+        tools = [{"name": "get_weather", "description": "Weather of a city", "input_schema": TOOLS[0]["function"]["parameters"]}]
+        history = USER + [
+            {"role": "assistant", "content": [{"type": "tool_use", "id": i, "name": "get_weather", "input": {"city": c}}
+                                              for i, c in cities.items()]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": i, "content": weather[i]}
+                                         for i in ("call_2", "call_1")]}]
+        reply = client.post("/v1/messages", json={"model": "tiny", "messages": history, "tools": tools, "max_tokens": 1}).json()
+        counted = reply["usage"]["input_tokens"] + reply["usage"]["cache_read_input_tokens"]
+    else:
+        items = [{"type": "message", "role": "user", "content": USER[0]["content"]}] + [
+            {"type": "function_call", "call_id": i, "name": "get_weather", "arguments": json.dumps({"city": c})}
+            for i, c in cities.items()] + [
+            {"type": "function_call_output", "call_id": i, "output": weather[i]} for i in ("call_2", "call_1")]
+        tools = [{"type": "function", **t["function"]} for t in TOOLS]
+        reply = client.post("/v1/responses", json={"model": "tiny", "input": items, "tools": tools, "max_output_tokens": 1}).json()
+        counted = reply["usage"]["input_tokens"]
+    expected = USER + [
+        {"role": "assistant", "tool_calls": [{"id": i, "type": "function", "function": {"name": "get_weather", "arguments": {"city": c}}}
+                                             for i, c in cities.items()]},
+        {"role": "tool", "tool_responses": [{"name": "get_weather", "response": weather[i]} for i in ("call_2", "call_1")]}]
+    text = tokenizer.apply_chat_template(expected, tools=TOOLS, add_generation_prompt=True, tokenize=False, **kwargs(family))
+    assert text.endswith("<|turn>tool\n" + GEMMA4_RESULT.format(name="get_weather", value="rain")
+                         + GEMMA4_RESULT.format(name="get_weather", value="sunny"))
+    assert counted == len(tokenizer.apply_chat_template(expected, tools=TOOLS, add_generation_prompt=True, **kwargs(family))), reply
+    if route == "chat":  # the same conversation, as the adapter hands it to the template: the same text
+        from dflash_mlx.server.openai import Message, _message_dict
+
+        adapted = template_messages(tokenizer, [_message_dict(Message(**m), i, []) for i, m in enumerate(history)])
+        assert tokenizer.apply_chat_template(adapted, tools=TOOLS, add_generation_prompt=True, tokenize=False,
+                                             **kwargs(family)) == text
+
+
+def test_gemma4_takes_a_result_without_its_call_as_the_template_names_it():
+    """A result whose call is not in the history (or a tool turn already in the template's form)
+    keeps the template's own defaults: ``unknown`` as the name, the given turn as it is."""
+    from types import SimpleNamespace
+
+    from dflash_mlx.reasoning import template_messages
+
+    tokenizer = SimpleNamespace(chat_template=GEMMA4)
+    assert template_messages(tokenizer, USER + [{"role": "tool", "tool_call_id": "x", "content": "42"}, GEMMA4_SUNNY]) == \
+        USER + [{"role": "tool", "tool_responses": [{"name": "unknown", "response": "42"}]}, GEMMA4_SUNNY]
 
 
 def test_streamed_a_character_at_a_time_nothing_of_a_marker_leaks(served):
