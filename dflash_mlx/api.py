@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
@@ -258,6 +259,7 @@ def stream_generate(
     prompt_cache: Union[None, PromptCache, PromptCachePool] = None,
     checkpoint_at: Sequence[int] = (),
     cancelled: Optional[Callable[[], bool]] = None,
+    constraint=None,
 ) -> Iterator[GenerationResponse]:
     """Yield one response per generated token, as ``mlx_lm.stream_generate`` does.
 
@@ -281,6 +283,11 @@ def stream_generate(
     ``prefill.default_prefill_step``). The request runs through the one decode protocol
     (``driver.Driver``) as a batch of one: the same computation as in a server's batch.
 
+    ``constraint``: a structured output's grammar (``grammar.Grammars.for_tokenizer(tokenizer,
+    vocab).json_schema(schema)`` and the like): every token, drafted or not, is one the grammar
+    allows, and the answer is exactly the target's under it (greedy: constrained target-only
+    decoding; sampled: its constrained distribution).
+
     Pipelined (``model.runner``): on rank 0 this sends the request to the other ranks and yields
     the answer (``logprobs`` None: they stay on the last rank); on every other rank it takes part
     in that one request and yields nothing (each rank runs the same script).
@@ -292,6 +299,8 @@ def stream_generate(
         return
     request = _decode_request(model, tokenizer, prompt, max_tokens, block_tokens, sampler, temp, top_p, top_k, min_p,
                               seed, use_draft, prefill_step_size, enable_thinking)
+    if constraint is not None:
+        request = dataclasses.replace(request, constraint=constraint)
     run = model.runner.start(model, request, prompt_cache, checkpoint_at, cancelled)
     respond = Responder(tokenizer, request.prompt.size, stop or [], max_tokens)
     # As mlx-lm does: the weights wired in memory while generating (Metal; a no-op elsewhere).

@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from .block_policy import BlockChooser, FixedBlock
 from .cache import batch_view, cache_arrays, features_from, restore, rollback_batch, snapshot
+from .grammar import Constraint, Guide, masked
 from .models.dflash import DFlashDraft
 from .models.qwen3_5 import Model as Target
 from .prefill import prefill_chunks
@@ -93,6 +94,7 @@ class Sequence:
     token: mx.array  # [1]: the next cycle's first input
     pending: List[mx.array] = field(default_factory=list)  # plain steps' features, not yet in the draft
     done: bool = False  # its budget is spent or a stop token came: it leaves
+    constraint: Optional[Guide] = None  # its grammar's matcher (structured outputs), at what it committed
 
     @property
     def context(self) -> int:
@@ -161,11 +163,11 @@ class Decoder:
 
     def start(self, prompt: mx.array, sampler: Sampler, chooser: Optional[BlockChooser] = None,
               cache=None, draft_cache=None, draft_window: Optional[int] = None, max_tokens: Optional[int] = None,
-              stop_tokens: Container[int] = (), prefill_step_size: Optional[int] = None, split_at: Seq[int] = ()
-              ) -> Generator[int, None, Tuple[Sequence, Commit]]:
+              stop_tokens: Container[int] = (), prefill_step_size: Optional[int] = None, split_at: Seq[int] = (),
+              constraint: Optional[Constraint] = None) -> Generator[int, None, Tuple[Sequence, Commit]]:
         """Prefill a new sequence one chunk per ``next`` (yielding the prompt tokens fed so far);
         returns the sequence, ready for its first cycle, and its first commit (the token after the
-        prompt)."""
+        prompt). ``constraint``: a grammar every token it commits follows (``grammar``)."""
         draft, target = self.draft, self.target
         cache = target.make_cache() if cache is None else cache
         chooser = chooser if chooser is not None else FixedBlock(draft.block_size if draft is not None else 1)
@@ -188,9 +190,12 @@ class Decoder:
 
         logits = yield from prefill_chunks(target, prompt, cache, prefill_step_size, self.taps, on_features, split_at,
                                            first_kept, on_skipped)
-        token = sampler(logits).reshape(1)
-        seq = Sequence(cache, draft_cache, sampler, chooser, Budget(max_tokens, stop_tokens), token)
+        guide = constraint.guide() if constraint is not None else None
+        token = sampler(logits if guide is None else masked(logits, guide.mask())).reshape(1)
+        seq = Sequence(cache, draft_cache, sampler, chooser, Budget(max_tokens, stop_tokens), token, constraint=guide)
         commit = Commit([token.item()], logprobs(logits)[None])
+        if guide is not None:
+            guide.commit(commit.tokens)
         seq.done = seq.budget.spent(commit)
         return seq, commit
 
@@ -231,7 +236,12 @@ class Decoder:
         cache = batch[0].cache if len(batch) == 1 else batch_view([seq.cache for seq in batch], own)
         logits, features = self.target.forward(mx.stack(fed), cache, self.taps, record_tape=rows > 1)
         for i, (seq, step) in enumerate(zip(batch, steps)):
-            if step.block == 1:
+            if seq.constraint is not None:  # each row under the grammar's mask after the prefix before it
+                allowed = seq.constraint.mask()[None] if step.block == 1 else seq.constraint.masks
+                guided = masked(logits[i, : step.block], allowed)
+                step.accepted, step.next_token = ((None, seq.sampler(guided[0])) if step.block == 1 else
+                                                  accept(guided, step.proposals, step.draft_probs, seq.sampler))
+            elif step.block == 1:
                 step.accepted, step.next_token = None, seq.sampler(logits[i, 0])
             else:
                 step.accepted, step.next_token = accept(logits[i, : step.block], step.proposals, step.draft_probs, seq.sampler)
@@ -315,14 +325,20 @@ class Decoder:
         blocks = [mx.concatenate([seq.token, mx.full((max(step.block, step.ahead + 1) - 1,), draft.mask_token_id,
                                                     seq.token.dtype)]) for seq, step in drafting]
         samplers = [seq.sampler if step.block > 1 else GREEDY for seq, step in drafting]
+        guides = [seq.constraint.propose if seq.constraint is not None and step.block > 1 else None
+                  for seq, step in drafting]  # a grammar's walk picks that sequence's proposals
+        guided = {"guides": guides} if any(g is not None for g in guides) else {}
         if len(drafting) == 1:
-            proposals = [draft.propose(blocks[0], drafting[0][0].draft_cache, samplers[0])]
+            proposals = [draft.propose(blocks[0], drafting[0][0].draft_cache, samplers[0],
+                                       **({"guide": guides[0]} if guided else {}))]
         else:
             proposals = draft.propose_batch(blocks, [seq.draft_cache for seq, _ in drafting], samplers,
-                                            one_head=self.shared_calls)
+                                            one_head=self.shared_calls, **guided)
         for (seq, step), (tokens, probs) in zip(drafting, proposals):
             if step.block > 1:
                 step.proposals, step.draft_probs = tokens, probs
+                if seq.constraint is not None:  # a grammar's block ends at a stop token
+                    step.block = tokens.size + 1
             else:
                 step.shadow = tokens
         # The draft runs while Python builds the verify graph (on a GPU: on MLX's CPU backend
@@ -346,4 +362,6 @@ class Decoder:
                             handed_off=step.handed_off, context=seq.context)
         seq.token = step.next_token.reshape(1)
         seq.done = seq.budget.spent(commit)
+        if seq.constraint is not None:
+            seq.constraint.commit(commit.tokens)
         return commit

@@ -40,6 +40,7 @@ class DecodeRequest:
     use_draft: bool
     prefill_step_size: Optional[int]
     stop_tokens: Container[int]
+    constraint: Any = None  # a structured output's grammar (``grammar.Constraint``); never sent round a pipeline
 
     def message(self) -> Dict[str, Any]:
         """The request as JSON for the other ranks (the sampler as its settings and seed)."""
@@ -87,7 +88,7 @@ def drive(model, target, request: DecodeRequest, pool: Optional[PromptCachePool]
     commits: deque = deque()
     r = Request(request.prompt, lambda commit: commits.append(commit) or False, request.sampler, request.max_tokens,
                 request.block_tokens, request.seed, request.use_draft, request.stop_tokens, checkpoint_at,
-                history=history, cancelled=cancelled or (lambda: False))
+                history=history, constraint=request.constraint, cancelled=cancelled or (lambda: False))
     return Run(driver.stream(r, commits), r)
 
 
@@ -164,6 +165,8 @@ class Pipelined:
         """Rank 0: send the request round the ranks; its commits come back (without log-probs)."""
         if prompt_cache is not None:
             raise ValueError("a pipelined target keeps no prompt cache between requests (prompt_cache must be None)")
+        if request.constraint is not None:
+            raise ValueError("a pipelined target decodes without a grammar: structured outputs need the whole pair here")
         return Run(self.pipeline.drive(request.message(), cancelled))
 
     def follow(self, model, forever: bool = False) -> None:

@@ -583,32 +583,38 @@ class DFlashDraft(nn.Module):
         """Logits [B, L-1, V] for block slots 1.. (``[t_last, MASK, ...]``), one pass."""
         return self.logits(self.hidden(block, cache))
 
-    def propose(self, block: mx.array, cache: List[ContextCache], sampler: Sampler) -> Tuple[mx.array, Optional[mx.array]]:
+    def propose(self, block: mx.array, cache: List[ContextCache], sampler: Sampler,
+                guide: Optional[Callable] = None) -> Tuple[mx.array, Optional[mx.array]]:
         """Proposals [L-1] for a block [L], and (sampling) the distributions [L-1, V] they were
-        drawn from, which rejection sampling needs."""
-        return self.pick(self.hidden(block[None], cache), block, sampler)
+        drawn from, which rejection sampling needs. ``guide``: picks them instead of
+        ``sampling.propose``, from the logits [L-1, V] and the sampler (a grammar's walk,
+        ``grammar.Guide.propose``: it may propose fewer)."""
+        return self.pick(self.hidden(block[None], cache), block, sampler, guide=guide)
 
     def pick(self, hidden: mx.array, block: mx.array, sampler: Sampler,
-             logits: Optional[mx.array] = None) -> Tuple[mx.array, Optional[mx.array]]:
+             logits: Optional[mx.array] = None, guide: Optional[Callable] = None) -> Tuple[mx.array, Optional[mx.array]]:
         """Proposals (and their distributions) from one block's draft states [1, L-1, H]
         (``logits``: the head's on them, when the caller ran it over several blocks at once)."""
-        return propose((self.logits(hidden) if logits is None else logits)[0], sampler)
+        return (propose if guide is None else guide)((self.logits(hidden) if logits is None else logits)[0], sampler)
 
     def propose_batch(self, blocks: Sequence[mx.array], caches: Sequence[List[ContextCache]],
-                      samplers: Sequence[Sampler], one_head: bool = False) -> List[Tuple[mx.array, Optional[mx.array]]]:
+                      samplers: Sequence[Sampler], one_head: bool = False,
+                      guides: Optional[Sequence[Optional[Callable]]] = None) -> List[Tuple[mx.array, Optional[mx.array]]]:
         """``propose`` for several sequences in one pass: their blocks (any lengths) padded to the
         longest, each attending over its own context. Row i's proposals are those ``propose`` gives
         it alone: the padding follows its slots and never enters its attention. ``one_head``: the
         head runs once over every row, then each sequence picks on its own rows (where a product's
-        row does not depend on the rows beside it: the CPU; see ``add_context_batch``)."""
+        row does not depend on the rows beside it: the CPU; see ``add_context_batch``). ``guides``:
+        each sequence's ``guide`` (see ``propose``), or None."""
         T = max(b.size for b in blocks)
         padded = mx.stack([b if b.size == T else mx.concatenate([b, mx.full((T - b.size,), self.mask_token_id, b.dtype)])
                            for b in blocks])
         lengths = [b.size for b in blocks]
         hidden = self.hidden(padded, [ContextBatch(list(layer), lengths) for layer in zip(*caches)])
         logits = self.logits(hidden) if one_head else None
-        return [self.pick(hidden[i : i + 1, : n - 1], b, s, None if logits is None else logits[i : i + 1, : n - 1])
-                for i, (b, n, s) in enumerate(zip(blocks, lengths, samplers))]
+        guides = guides or [None] * len(blocks)
+        return [self.pick(hidden[i : i + 1, : n - 1], b, s, None if logits is None else logits[i : i + 1, : n - 1], g)
+                for i, (b, n, s, g) in enumerate(zip(blocks, lengths, samplers, guides))]
 
     def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
         out = {}

@@ -9,7 +9,7 @@ and ``kernel_projection.weight [2*K*H/G, H]``; ``candidate_selector.hidden_proje
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -137,13 +137,17 @@ class DFlash2Draft(DFlashDraft):
         self.candidate_selector = CandidateSelector(args)
 
     def pick(self, hidden: mx.array, block: mx.array, sampler: Sampler,
-             logits: Optional[mx.array] = None) -> Tuple[mx.array, Optional[mx.array]]:
+             logits: Optional[mx.array] = None, guide: Optional[Callable] = None) -> Tuple[mx.array, Optional[mx.array]]:
         """The selector's walk over the block's slots. Sampling draws each slot from the softmax of
         its candidates' scores at the sampler's temperature (as z-lab's reference does); the
         returned distributions are that sparse q, scattered over the vocabulary for rejection
         sampling (whose residual ``p - q`` then touches only the candidates). ``logits``: the
-        head's on ``hidden``, when the caller ran it over several blocks at once."""
+        head's on ``hidden``, when the caller ran it over several blocks at once. ``guide`` (a
+        grammar's walk, ``DFlashDraft.propose``): it picks from the head's logits instead of the
+        selector (any proposal distribution keeps the cycle lossless)."""
         logits = self.logits(hidden) if logits is None else logits
+        if guide is not None:
+            return guide(logits[0], sampler)
         key = None if sampler.greedy else sampler.key()
         tokens, candidates, q = self.candidate_selector.select(hidden, logits, block[None, 0], sampler.temperature, key=key)
         if q is None:

@@ -21,13 +21,17 @@ from .content import check_part, check_parts
 from .engine import ContextFull, Engine, Job, collect, current_engine, job_events, note
 from .errors import APIError
 from .fields import IgnoredFields, ignored_tools_header
+from ..reasoning import splitters, template_messages
+from .structured import anthropic_tool_choice, constraint, schema_of
 from .tool_calls import ToolCallScanner, answer_parts
 
 router = APIRouter()
 ROUTE = "/v1/messages"
 # Blocks the template renders; images and documents are refused (content.py), others (server tools'
-# results...) are left out, logged.
+# results...) are left out, logged and counted (fields.IgnoredFields.drop).
 READ_BLOCKS = {"text", "tool_use", "tool_result", "thinking", "redacted_thinking"}
+# Inside a tool_result: text, and tool_reference (a deferred tool loaded: its schema, in place).
+RESULT_BLOCKS = {"text", "tool_reference"}
 # Documented fields that do not apply to a local server: accepted, ignored with a log line.
 NOT_APPLICABLE = ("metadata", "service_tier", "context_management", "container", "inference_geo", "cache_control")
 
@@ -57,6 +61,7 @@ class Tool(BaseModel):
     name: str
     description: Optional[str] = None
     input_schema: Dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    defer_loading: Optional[bool] = None  # out of the prompt's tool list until a tool_reference loads it
 
 
 class CountTokensRequest(BaseModel):
@@ -87,9 +92,38 @@ def _text(content) -> str:
                    if (b.get("type") if isinstance(b, dict) else b.type) == "text")
 
 
+def _schema_line(tool: Tool) -> str:
+    """A tool's definition as Claude Code's ToolSearch promises the model: one ``<function>`` line
+    of JSON (description, name, parameters), the encoding of the tool list atop its prompt."""
+    schema = {"description": tool.description or "", "name": tool.name, "parameters": tool.input_schema}
+    return f"<function>{json.dumps(schema, ensure_ascii=False)}</function>"
+
+
+def _result_text(content, tools: Dict[str, Tool]) -> str:
+    """A tool_result's text: its text blocks, and each run of ``tool_reference`` blocks (ToolSearch
+    loading deferred tools) as a ``<functions>`` block of those tools' schemas, where it stands.
+    Other blocks are left out (``_check`` refuses images, logs and counts the rest)."""
+    if isinstance(content, str) or content is None:
+        return content or ""
+    out: List[str] = []
+    run: List[str] = []  # the schema lines of the tool_reference blocks in a row
+    for block in content + [{}]:  # an empty block ends the last run
+        kind = block.get("type")
+        if kind == "tool_reference":
+            run.append(_schema_line(tools[block.get("tool_name")]))
+            continue
+        if run:
+            out.append("<functions>\n" + "\n".join(run) + "\n</functions>")
+            run = []
+        if kind == "text":
+            out.append(block.get("text") or "")
+    return "".join(out)
+
+
 def chat_messages(req: CountTokensRequest) -> List[Dict[str, Any]]:
     """The conversation as the chat template takes it; system messages stay where they are (the
     engine makes later ones user turns if the template refuses them there)."""
+    tools = {t.name: t for t in _custom(req)}
     out: List[Dict[str, Any]] = []
     if req.system:
         out.append({"role": "system", "content": _text(req.system)})
@@ -104,7 +138,7 @@ def chat_messages(req: CountTokensRequest) -> List[Dict[str, Any]]:
             text = "".join(b.text or "" for b in m.content if b.type == "text")
             for b in m.content:
                 if b.type == "tool_result":
-                    out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)})
+                    out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _result_text(b.content, tools)})
             if text or not any(b.type == "tool_result" for b in m.content):
                 out.append({"role": "user", "content": text})
             continue
@@ -127,11 +161,28 @@ def _hosted(req: CountTokensRequest) -> List[str]:
     return tools + [f"mcp:{s.get('name', '?')}" for s in req.mcp_servers or []]
 
 
-def _tools(req: CountTokensRequest) -> Optional[List[Dict[str, Any]]]:
+def _custom(req: CountTokensRequest) -> List[Tool]:
+    """The client's own tools (those of other types run on Anthropic's side: ``_hosted``)."""
+    return [t for t in req.tools or [] if t.type in (None, "custom")]
+
+
+def _referenced(req: CountTokensRequest) -> set:
+    """The names the conversation's ``tool_reference`` blocks load (inside tool results)."""
+    return {r.get("tool_name") for m in req.messages if not isinstance(m.content, str) for b in m.content
+            if b.type == "tool_result" and isinstance(b.content, list)
+            for r in b.content if r.get("type") == "tool_reference"}
+
+
+def _tools(req: CountTokensRequest, loaded: bool = False) -> Optional[List[Dict[str, Any]]]:
+    """The tools the template renders: the client's own less those marked ``defer_loading`` (Claude
+    Code's deferred tools and its placeholder), which stay out of the prompt's tool list, so that
+    loading one (its schema comes in a tool result, ``_result_text``) leaves the prefix as it was.
+    With ``loaded``, the tools the model may call: those plus the deferred ones a reference loaded."""
     if not req.tools or (req.tool_choice or {}).get("type") == "none":
         return None
+    referenced = _referenced(req) if loaded else set()
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema}}
-             for t in req.tools if t.type in (None, "custom")]
+             for t in _custom(req) if not t.defer_loading or t.name in referenced]
     return tools or None
 
 
@@ -148,14 +199,11 @@ def _thinking(req: CountTokensRequest) -> Optional[bool]:
 
 def _check(req: CountTokensRequest, ignored_fields: IgnoredFields) -> None:
     """Refuse what cannot be honoured; log what is ignored (the unknown-field policy: see fields)."""
-    choice = (req.tool_choice or {}).get("type")
-    if choice not in (None, "auto", "none"):
-        raise APIError(400, f"tool_choice {choice!r} is not supported: use 'auto' or 'none'", param="tool_choice")
-    if (req.output_config or {}).get("format") is not None:
-        raise APIError(400, "output_config.format (structured outputs) is not supported", param="output_config")
+    anthropic_tool_choice(req.tool_choice)  # a choice it cannot honour: a 400 naming it
+    _format(req)
     ignored = [f for f in NOT_APPLICABLE if getattr(req, f, None) is not None or f in (req.model_extra or {})]
-    ignored += [f for f in req.model_extra or {} if f not in NOT_APPLICABLE]
-    ignored += [f"output_config.{k}" for k in req.output_config or {}]
+    ignored += [f for f in req.model_extra or {} if f not in NOT_APPLICABLE and f != "output_format"]
+    ignored += [f"output_config.{k}" for k in req.output_config or {} if k != "format"]
     if (req.thinking or {}).get("budget_tokens") is not None:
         ignored.append("thinking.budget_tokens")  # the model thinks until it closes its reasoning
     if (req.thinking or {}).get("display") is not None:
@@ -164,9 +212,36 @@ def _check(req: CountTokensRequest, ignored_fields: IgnoredFields) -> None:
         ignored.append(f"thinking.type={req.thinking['type']}")
     ignored_fields.note(ROUTE, ignored)
     _check_content(req)
-    blocks = {b.type for m in req.messages if not isinstance(m.content, str) for b in m.content} - READ_BLOCKS
-    ignored_fields.note(ROUTE, blocks, "content blocks")
+    _check_references(req)
+    system = [] if isinstance(req.system, str) else [b.type for b in req.system or [] if b.type != "text"]
+    blocks = [b.type for m in req.messages if not isinstance(m.content, str) for b in m.content if b.type not in READ_BLOCKS]
+    ignored_fields.drop(ROUTE, system + blocks, "content blocks")
+    nested = [str(r.get("type")) for m in req.messages if not isinstance(m.content, str) for b in m.content
+              if b.type == "tool_result" and isinstance(b.content, list) for r in b.content
+              if r.get("type") not in RESULT_BLOCKS]
+    ignored_fields.drop(ROUTE, nested, "content blocks inside tool_result")
     ignored_fields.note(ROUTE, _hosted(req), "hosted tools")
+
+
+def _format(req: CountTokensRequest):
+    """(schema, its place) from ``output_config.format`` or the beta's top-level ``output_format``."""
+    given = [(f, p) for f, p in (((req.output_config or {}).get("format"), "output_config.format"),
+                                 ((req.model_extra or {}).get("output_format"), "output_format")) if f is not None]
+    if len(given) > 1:
+        raise APIError(400, "send output_config.format or output_format, not both", param="output_format")
+    return (schema_of(given[0][0], given[0][1], nested=False), given[0][1]) if given else (None, "output_config.format")
+
+
+def _check_references(req: CountTokensRequest) -> None:
+    """A ``tool_reference`` must name one of the request's own tools (its schema is what it renders)."""
+    names = {t.name for t in _custom(req)}
+    for i, m in enumerate(req.messages):
+        for j, block in enumerate([] if isinstance(m.content, str) else m.content):
+            for k, part in enumerate(block.content if block.type == "tool_result" and isinstance(block.content, list) else []):
+                if part.get("type") == "tool_reference" and part.get("tool_name") not in names:
+                    where = f"messages[{i}].content[{j}].content[{k}]"
+                    raise APIError(400, f"{where}: tool_reference names {part.get('tool_name')!r}, which is not among the "
+                                        "request's tools", param=where)
 
 
 def _check_content(req: CountTokensRequest) -> None:
@@ -186,7 +261,7 @@ def _check_content(req: CountTokensRequest) -> None:
 async def _prompt(engine: Engine, req: CountTokensRequest) -> List[int]:
     _check(req, engine.ignored_fields)
     extra = {} if _thinking(req) is None else {"enable_thinking": _thinking(req)}
-    return await engine.render(chat_messages(req), _tools(req), **extra)
+    return await engine.render(template_messages(engine.tokenizer, chat_messages(req)), _tools(req), **extra)
 
 
 @router.post("/v1/messages/count_tokens")
@@ -205,10 +280,14 @@ async def messages(req: MessagesRequest, request: Request, engine: Engine = Depe
         budget = engine.answer_budget(len(prompt), req.max_tokens)
     except ContextFull as e:  # Anthropic's words, which Claude Code recognises (it compacts and retries)
         raise APIError(400, f"prompt is too long: {e.prompt_tokens} tokens > {e.maximum} maximum", param="messages") from e
+    tools = _tools(req, loaded=True)
+    calls, tool_name, parallel = anthropic_tool_choice(req.tool_choice)
+    schema, where = _format(req)
+    grammar = constraint(engine, prompt, schema, tools, calls, tool_name, parallel, schema_param=where)
     job = engine.submit(prompt, dict(max_tokens=budget, stop=req.stop_sequences or [],
-                                     **engine.sampling_options(req.temperature, req.top_p, req.top_k)))
-    tools = _tools(req)
-    reply = _Reply(model, engine.splitter(prompt), lambda: ToolCallScanner(engine.tokenizer if tools else None, tools))
+                                     **engine.sampling_options(req.temperature, req.top_p, req.top_k),
+                                     **({} if grammar is None else {"constraint": grammar})))
+    reply = _Reply(model, splitters(engine.tokenizer, prompt), lambda: ToolCallScanner(engine.tokenizer if tools else None, tools))
     headers = ignored_tools_header(_hosted(req))
     if req.stream:
         return StreamingResponse(reply.stream(job, len(prompt), engine.keepalive_seconds), media_type="text/event-stream",

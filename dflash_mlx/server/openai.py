@@ -21,7 +21,8 @@ from .content import check_part
 from .engine import ContextFull, Engine, Job, collect, current_engine, job_events
 from .fields import IgnoredFields
 from .errors import APIError, error_body
-from ..reasoning import ReasoningSplitter, thinking_switch
+from ..reasoning import ReasoningSplitter, effort_kwargs, splitters, template_messages, thinking_switch
+from .structured import constraint, openai_tool_choice, schema_of
 from .tool_calls import ToolCall, ToolCallScanner, split_text_and_calls
 
 router = APIRouter()
@@ -81,7 +82,7 @@ class CompletionRequest(SamplingRequest):
 
 # Documented fields that do not apply to a local server: accepted, ignored with a log line.
 NOT_APPLICABLE = ("user", "store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
-                  "safety_identifier", "parallel_tool_calls", "web_search_options", "verbosity")
+                  "safety_identifier", "web_search_options", "verbosity")
 # Documented fields whose use would change what the answer means: refused, naming the field.
 REFUSED = {"logit_bias": "token biases are not supported (they would change the target's distribution)",
            "top_logprobs": "logprobs are not supported",
@@ -109,10 +110,6 @@ def _unsupported(req: SamplingRequest, route: str, ignored_fields: IgnoredFields
         (bool(getattr(req, "logprobs", None)), "logprobs", "logprobs are not supported"),
         (bool(getattr(req, "echo", False)), "echo", "echo is not supported"),
     ]
-    fmt = getattr(req, "response_format", None)
-    checks.append((fmt is not None and fmt.get("type") not in (None, "text"), "response_format", "only response_format 'text' is supported"))
-    choice = getattr(req, "tool_choice", None)
-    checks.append((choice not in (None, "auto", "none"), "tool_choice", "tool_choice must be 'auto' or 'none'"))
     for bad, param, message in checks:
         if bad:
             raise APIError(400, message, param=param, code="unsupported_parameter")
@@ -149,18 +146,25 @@ async def models(engine: Engine = Depends(current_engine)):
 async def chat_completions(req: ChatRequest, request: Request, engine: Engine = Depends(current_engine)):
     model = check_model(engine, req.model)
     _unsupported(req, "/v1/chat/completions", engine.ignored_fields)
-    messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
+    dropped: List[str] = []
+    messages = [_message_dict(m, i, dropped) for i, m in enumerate(req.messages)]
+    engine.ignored_fields.drop("/v1/chat/completions", dropped, "content parts")
     tools = req.tools if req.tools and req.tool_choice != "none" else None
-    template_kwargs = dict(req.chat_template_kwargs or {})
+    template_kwargs = {**effort_kwargs(req.reasoning_effort, req.reasoning), **(req.chat_template_kwargs or {})}
     thinking = thinking_switch(req.chat_template_kwargs, req.reasoning_effort, req.reasoning)
     if thinking is not None:
         template_kwargs["enable_thinking"] = thinking
-    prompt_ids = await engine.render(messages, tools, **template_kwargs)
+    prompt_ids = await engine.render(template_messages(engine.tokenizer, messages), tools, **template_kwargs)
     opts = options(engine, req, req.max_completion_tokens or req.max_tokens, prompt_ids)
+    calls, tool_name = openai_tool_choice(req.tool_choice)
+    grammar = constraint(engine, list(prompt_ids), schema_of(req.response_format, "response_format", nested=True), tools,
+                         calls, tool_name, req.parallel_tool_calls is not False)
+    if grammar is not None:  # structured outputs, a forced tool call or one call at most
+        opts["constraint"] = grammar
     job = engine.submit(list(prompt_ids), opts)
     include_usage = bool((req.stream_options or {}).get("include_usage"))
     reply = _Reply("chat.completion", model, engine.tokenizer if tools else None, tools,
-                   reasoning=engine.splitter(prompt_ids))
+                   reasoning=splitters(engine.tokenizer, prompt_ids))
     if req.stream:
         return StreamingResponse(reply.stream(job, include_usage, engine.keepalive_seconds), media_type="text/event-stream")
     return JSONResponse(await reply.whole(job, request))
@@ -194,9 +198,11 @@ async def completions(req: CompletionRequest, request: Request, engine: Engine =
 
 
 
-def _message_dict(m: Message, index: int) -> Dict[str, Any]:
+def _message_dict(m: Message, index: int, dropped: List[str]) -> Dict[str, Any]:
     """A message as the chat template takes it: content parts (text only) joined into one string,
-    the ``developer`` role (OpenAI's name for system instructions) as ``system``."""
+    the ``developer`` role (OpenAI's name for system instructions) as ``system``. Images, audio and
+    files are refused (content.py); other parts (an answer's ``refusal``...) are left out, their
+    types added to ``dropped`` (logged and counted, as the other routes do: fields.IgnoredFields.drop)."""
     out = m.model_dump(exclude_none=True)
     if isinstance(out.get("content"), list):
         texts = []
@@ -204,8 +210,8 @@ def _message_dict(m: Message, index: int) -> Dict[str, Any]:
             kind, text = part.get("type"), part.get("text")
             if kind != "text":
                 check_part(part, f"messages[{index}].content[{j}]")  # images, audio, files: content.py's refusal
-                raise APIError(400, f"content parts of type {kind!r} are not supported (text only)",
-                               param=f"messages[{index}].content[{j}]", code="unsupported_content")
+                dropped.append(str(kind))
+                continue
             if not isinstance(text, str):
                 raise APIError(400, "a text content part needs a 'text' string", param=f"messages[{index}].content[{j}]")
             texts.append(text)

@@ -22,7 +22,8 @@ from .content import check_parts
 from .engine import ContextFull, Engine, Job, collect, current_engine, job_events
 from .fields import IgnoredFields, ignored_tools_header
 from .errors import APIError
-from ..reasoning import thinking_switch
+from ..reasoning import effort_kwargs, splitters, template_messages, thinking_switch
+from .structured import constraint, openai_tool_choice, schema_of
 from .tool_calls import ToolCall, ToolCallScanner, answer_parts
 
 router = APIRouter()
@@ -73,11 +74,6 @@ def _unsupported(req: ResponsesRequest, ignored_fields: IgnoredFields) -> None:
     ignored_fields.note(ROUTE, [f for f in NOT_APPLICABLE if getattr(req, f, None) is not None]
                  + [f for f in extra if f not in NOT_APPLICABLE and f not in REFUSED])
     ignored_fields.note(ROUTE, _hosted(req), "hosted tools")
-    if req.tool_choice not in (None, "auto", "none"):
-        raise APIError(400, "tool_choice must be 'auto' or 'none'", param="tool_choice")
-    fmt = (req.text or {}).get("format") or {}
-    if fmt.get("type") not in (None, "text"):
-        raise APIError(400, "only text output is supported (text.format 'text')", param="text")
     if req.truncation not in (None, "disabled"):
         raise APIError(400, "truncation 'auto' is not supported: the context limit is checked instead", param="truncation")
 
@@ -91,7 +87,22 @@ def _text(content, where: str = "input") -> str:
         raise APIError(400, "content must be a string or a list of parts", param="input")
     check_parts(content, where)
     return "".join(str(part.get("text") or "") for part in content if isinstance(part, dict)
-                   and part.get("type") in ("input_text", "output_text", "text", "reasoning_text", "summary_text"))
+                   and part.get("type") in TEXT_PARTS)
+
+
+# The content parts whose text the prompt takes; others (a ``refusal``...) are left out, logged and
+# counted (``_dropped_parts``); images and files are refused (content.py).
+TEXT_PARTS = ("input_text", "output_text", "text", "reasoning_text", "summary_text")
+
+
+def _dropped_parts(req: ResponsesRequest) -> List[str]:
+    """The type of each content part of the input that ``_text`` leaves out of the prompt (a
+    message's, a reasoning item's or a function call output's), for ``IgnoredFields.drop``."""
+    items = req.input if isinstance(req.input, list) else []
+    return [str(part.get("type")) if isinstance(part, dict) else "non-object part"
+            for item in items if isinstance(item, dict) for key in ("content", "output")
+            if isinstance(item.get(key), list) for part in item[key]
+            if not (isinstance(part, dict) and part.get("type") in TEXT_PARTS)]
 
 
 def _leading_system(instructions: Optional[str], items: List[Dict[str, Any]]):
@@ -197,8 +208,10 @@ async def responses(req: ResponsesRequest, request: Request, engine: Engine = De
     _unsupported(req, engine.ignored_fields)
     tools = _tools(req)
     thinking = thinking_switch(None, None, req.reasoning)
-    extra = {} if thinking is None else {"enable_thinking": thinking}
-    prompt = await engine.render(chat_messages(req), tools, param="input", **extra)
+    extra = {**effort_kwargs(None, req.reasoning), **({} if thinking is None else {"enable_thinking": thinking})}
+    messages = chat_messages(req)  # refuses what the target cannot read before anything is counted
+    engine.ignored_fields.drop(ROUTE, _dropped_parts(req), "content parts")
+    prompt = await engine.render(template_messages(engine.tokenizer, messages), tools, param="input", **extra)
     try:
         budget = engine.answer_budget(len(prompt), req.max_output_tokens)
     except ContextFull as e:  # OpenAI's words and code (Codex recognises the code)
@@ -206,9 +219,12 @@ async def responses(req: ResponsesRequest, request: Request, engine: Engine = De
                        f"{e.maximum}. Please adjust your input and try again.", param="input",
                        code="context_length_exceeded") from e
     sampling = engine.sampling_options(req.temperature, req.top_p)
-    job = engine.submit(prompt, dict(max_tokens=budget, **sampling))
+    calls, tool_name = openai_tool_choice(req.tool_choice)
+    grammar = constraint(engine, prompt, schema_of((req.text or {}).get("format"), "text.format", nested=False), tools,
+                         calls, tool_name, req.parallel_tool_calls is not False, schema_param="text.format")
+    job = engine.submit(prompt, dict(max_tokens=budget, **sampling, **({} if grammar is None else {"constraint": grammar})))
     namespaces = {t["name"]: space for space, t in _functions(req) if space is not None}
-    reply = _Reply(model, req, engine.splitter(prompt), lambda: ToolCallScanner(engine.tokenizer if tools else None, tools),
+    reply = _Reply(model, req, splitters(engine.tokenizer, prompt), lambda: ToolCallScanner(engine.tokenizer if tools else None, tools),
                    sampling, namespaces)
     headers = ignored_tools_header(_hosted(req))
     if req.stream:
