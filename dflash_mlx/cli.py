@@ -38,9 +38,11 @@ def main() -> None:
 
 
 # Model and decoding options shared by chat, generate and bench.
-Model = Annotated[Optional[str], typer.Option("--model", "-m", help="Target: local folder, Hugging Face repo id, 'demo' (the tiny pair shipped in the package; works offline) or 'scripted' (a tiny pair with fixed answers for trying coding agents against serve, made on first use). Default: Qwopus3.5-9B-Coder, converted to MLX 4-bit on first use.")]
+Model = Annotated[Optional[str], typer.Option("--model", "-m", help="Target: local folder, Hugging Face repo id, a named pair (qwen3-4b, qwen3-8b, qwen3-coder-30b-a3b, llama-3.1-8b, gpt-oss-20b, gpt-oss-120b, gemma-4-26b-a4b, gemma-4-31b: the target and z-lab's draft for it, downloaded as published), 'demo' (the tiny pair shipped in the package; works offline) or 'scripted' (a tiny pair with fixed answers for trying coding agents against serve, made on first use). Default: Qwopus3.5-9B-Coder, converted to MLX 4-bit on first use.")]
 Draft = Annotated[Optional[str], typer.Option("--draft", "-d", help="DFlash draft folder or repo id. Default with the default model: z-lab's Qwen3.5-9B draft converted for Qwopus; with --model demo: the demo draft; with another --model: none (target alone).")]
 DraftQuant = Annotated[str, typer.Option("--draft-quant", help="Quantize the draft at load: w4, w8, w4:gs32 … or none.")]
+Exact = Annotated[bool, typer.Option("--exact", help="On an Apple GPU: every quantized layer runs one kernel for every row count, so greedy output is token for token the target's alone and a batched request its answer alone, whatever that costs. Default: where that costs a layer more than 3% (measured per layer, `dflash-mlx doctor --tune` prints it), the fastest kernel at each row count, whose only divergence is at the target's top-2 near-ties (`bench` reports them). No effect off Apple GPUs.")]
+ServeExact = Annotated[bool, typer.Option("--exact/--fastest", help="On an Apple GPU: --exact (the server's default) runs every quantized layer through one kernel for every row count, so that a batched request is bit for bit its answer alone and greedy output the target's alone; --fastest takes the fastest kernel at each row count where exactness costs a layer more than 3% (a request's bits may then follow its batch-mates' rows, and greedy output may part from the target's at its top-2 near-ties). No effect off Apple GPUs.")]
 DraftWindow = Annotated[str, typer.Option("--draft-window", help="The draft's context: keep only the last N tokens' features in its cache (its attention and the prompt's prefill stop growing with the context), or 'all'. Default 'auto': the demo draft its training window (1024 tokens), any other draft all of its context.")]
 BlockTokens = Annotated[str, typer.Option("--block-tokens", "-b", help="Tokens per draft block: 'auto' (default) picks each cycle's size from the measured cost of a cycle and the draft's acceptance, down to 1 (plain decoding) when drafting does not pay; 'auto:N' caps it at N; N drafts exactly N every cycle (1 .. the draft's block size; 1 = the target alone).")]
 MaxTokens = Annotated[int, typer.Option("--max-tokens", help="Stop an answer after this many tokens.")]
@@ -54,10 +56,23 @@ Think = Annotated[bool, typer.Option("--think/--no-think", help="Thinking mode o
 
 Stages = Annotated[Optional[str], typer.Option("--stages", help="Under mlx.launch (the target pipelined over the ranks): layers per rank, comma-separated in rank order (e.g. 10,14). Default: balanced by weight bytes, rank 0 counting the embedding and the last rank the head and the draft.")]
 PeerTimeout = Annotated[float, typer.Option("--peer-timeout", help="Under mlx.launch: seconds a request may go without an answer from the other ranks before every rank stops with an error (a rank that dies is noticed at once).")]
+PromptCacheDir = Annotated[Optional[Path], typer.Option("--prompt-cache-dir", envvar="DFLASH_MLX_PROMPT_CACHE_DIR", help="Folder of the prefix cache's disk tier: each prompt's caches (attention K/V, Gated DeltaNet states at its checkpoints, the draft's context) as safetensors, so that a restarted server or chat resumes a long prompt instead of prefilling it again. Several servers may share it. Default: prompt-cache/ under $DFLASH_MLX_HOME (~/.cache/dflash-mlx).")]
+PromptCacheDiskGb = Annotated[float, typer.Option("--prompt-cache-disk-gb", help="Disk space for --prompt-cache-dir (GB); the least recently used entries go first. 0 turns the disk tier off. Under mlx.launch none is kept.")]
+
+
+def _prompt_store(loaded, directory: Optional[Path], gb: float):
+    """The prefix cache's disk tier for ``serve`` and ``chat`` (None: off, or pipelined)."""
+    if gb < 0:
+        _fail(f"--prompt-cache-disk-gb must not be negative (got {gb})")
+    if gb == 0 or not loaded.runner.keeps_prompt_cache:
+        return None
+    from .prompt_store import PromptStore, default_directory
+
+    return PromptStore.for_model(loaded, directory or default_directory(), int(gb * 1e9))
 
 
 def _load(model: Optional[str], draft: Optional[str], draft_quant: str, stages: Optional[str] = None,
-          peer_timeout: float = 30.0, reads_keyboard: bool = False, draft_window: str = "auto"):
+          peer_timeout: float = 30.0, reads_keyboard: bool = False, draft_window: str = "auto", exact: bool = False):
     """Load (or, for the default pair, first convert) the models; one clear line on failure.
     Under ``mlx.launch`` every rank loads its stage of the target (refused for a command that
     ``reads_keyboard``: mlx.launch forwards no standard input)."""
@@ -79,7 +94,7 @@ def _load(model: Optional[str], draft: Optional[str], draft_quant: str, stages: 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             loaded = api.load(model, draft=draft, draft_quant=draft_quant, stages=stages, peer_timeout=peer_timeout,
-                              draft_window=window)
+                              draft_window=window, exact=exact)
     except (CheckpointError, ValueError) as e:
         _fail(str(e))
     runner = loaded[0].runner
@@ -224,15 +239,22 @@ def chat(
     seed: Seed = None,
     system: Annotated[Optional[str], typer.Option("--system", help="System prompt.")] = None,
     think: Think = False,
+    exact: Exact = False,
+    prompt_cache_dir: PromptCacheDir = None,
+    prompt_cache_disk_gb: PromptCacheDiskGb = 16.0,
 ) -> None:
     """Chat in the terminal; answers stream as they are committed. /help lists the commands."""
     from .chat import ChatSession, run_chat
+    from .prompt_cache import PromptCachePool
 
     sampling = _sampling(temp, top_p, top_k, seed, min_p)
-    loaded, tokenizer = _load(model, draft, draft_quant, reads_keyboard=True, draft_window=draft_window)
+    loaded, tokenizer = _load(model, draft, draft_quant, reads_keyboard=True, draft_window=draft_window, exact=exact)
     _check_block_tokens((loaded, tokenizer), block_tokens)
     generation = dict(max_tokens=max_tokens, block_tokens=block_tokens, **sampling)
-    session = ChatSession(loaded, tokenizer, system=system, think=think, generation=generation)
+    store = _prompt_store(loaded, prompt_cache_dir, prompt_cache_disk_gb)
+    # With the disk tier, a pool of one history in RAM (the conversation) over it.
+    cache = {"cache": PromptCachePool(0, store=store)} if store is not None else {}
+    session = ChatSession(loaded, tokenizer, system=system, think=think, generation=generation, **cache)
     run_chat(session, speculative=loaded.draft is not None)
 
 
@@ -257,10 +279,11 @@ def generate(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON record (text, tokens, timings, acceptance) instead of the text.")] = False,
     stages: Stages = None,
     peer_timeout: PeerTimeout = 30.0,
+    exact: Exact = False,
 ) -> None:
     """Generate one completion: text to stdout, statistics to stderr."""
     sampling = _sampling(temp, top_p, top_k, seed, min_p)
-    loaded, tokenizer = _load(model, draft, draft_quant, stages, peer_timeout, draft_window=draft_window)
+    loaded, tokenizer = _load(model, draft, draft_quant, stages, peer_timeout, draft_window=draft_window, exact=exact)
     with _ranks(loaded):
         if prompt is None and not loaded.runner.reads_input:
             _fail("give the prompt with --prompt: mlx.launch does not forward standard input")
@@ -333,6 +356,7 @@ def bench(
     mlx_lm: Annotated[bool, typer.Option("--mlx-lm/--no-mlx-lm", help="Also run mlx-lm's own stream_generate on mlx-lm's build of the target, as a second baseline (loads the target a second time; not under mlx.launch).")] = True,
     stages: Stages = None,
     peer_timeout: PeerTimeout = 30.0,
+    exact: Exact = False,
 ) -> None:
     """Target alone vs DFlash, interleaved: speed, acceptance, block sizes used, identical outputs.
 
@@ -368,7 +392,7 @@ def bench(
             _fail(f"--concurrency {concurrency!r}: comma-separated request counts, each at least 1 (e.g. 1,2,4)")
         if temp != 0:
             _fail("--concurrency compares greedy answers: leave --temp at 0")
-    loaded, tokenizer = _load(model, draft, draft_quant, stages, peer_timeout, draft_window=draft_window)
+    loaded, tokenizer = _load(model, draft, draft_quant, stages, peer_timeout, draft_window=draft_window, exact=exact)
     with _ranks(loaded):
         if levels is not None:
             if not loaded.runner.batches:
@@ -499,6 +523,8 @@ def serve(
     model_alias: Annotated[Optional[List[str]], typer.Option("--model-alias", help="Another model id to list in /v1/models and serve without a log line (repeatable). Any id a request names is served by the loaded model; ids that are neither this nor --model-name are logged once.")] = None,
     max_request_bytes: Annotated[int, typer.Option("--max-request-bytes", help="Reject request bodies larger than this.")] = 8 << 20,
     prompt_cache_gb: Annotated[float, typer.Option("--prompt-cache-gb", help="Memory for prefix caches kept between requests (GB): several token histories (a chat, an editor's completions) with their Gated DeltaNet checkpoints; the least recently used go first. The most recent one is always kept. Under mlx.launch none are kept.")] = 4.0,
+    prompt_cache_dir: PromptCacheDir = None,
+    prompt_cache_disk_gb: PromptCacheDiskGb = 16.0,
     temp: Annotated[Optional[float], typer.Option("--temp", help=f"Default sampling temperature (0: greedy) for requests that give none. {SAMPLING_PRECEDENCE}")] = None,
     top_p: Annotated[Optional[float], typer.Option("--top-p", help=f"Default nucleus sampling mass, in [0, 1] (0 or 1.0: off; filters in mlx-lm's order: top-p, min-p, top-k). {SAMPLING_PRECEDENCE}")] = None,
     top_k: Annotated[Optional[int], typer.Option("--top-k", help=f"Default top-k (0: off). {SAMPLING_PRECEDENCE}")] = None,
@@ -508,8 +534,10 @@ def serve(
     allowed_origins: Annotated[str, typer.Option("--allowed-origins", help="Origins browsers may call the server from (CORS), comma-separated; '*' (the default, as mlx_lm.server): any.")] = "*",
     max_concurrent: Annotated[int, typer.Option("--max-concurrent", help="Generations decoded together: their draft blocks go through one draft pass and their rows through one target pass per cycle (an editor's completion does not wait for a chat answer to finish; each answer is the one it gets alone). 1: one at a time, the others wait. Under mlx.launch: 1.")] = 4,
     max_queue: Annotated[int, typer.Option("--max-queue", help="Requests that may wait for a slot beyond --max-concurrent; more are refused with a 503 and Retry-After.")] = 64,
+    prefill_step_size: Annotated[Optional[int], typer.Option("--prefill-step-size", help="Prompt tokens per prefill chunk, a multiple of 64 (the recurrence's chunk), the same for every request: while a prompt comes in, the other streams pause for one chunk per round. Default: 2048, as mlx-lm's; 512 makes those pauses a quarter as long for a little more prefill time.")] = None,
     stages: Stages = None,
     peer_timeout: PeerTimeout = 30.0,
+    exact: ServeExact = True,
 ) -> None:
     """Serve an OpenAI-compatible API (chat, completions with FIM, models, health, metrics) and
     Anthropic's Messages and OpenAI's Responses APIs."""
@@ -519,6 +547,8 @@ def serve(
 
     if prompt_cache_gb < 0:
         _fail(f"--prompt-cache-gb must not be negative (got {prompt_cache_gb})")
+    if prompt_cache_disk_gb < 0:
+        _fail(f"--prompt-cache-disk-gb must not be negative (got {prompt_cache_disk_gb})")
     if max_tokens is not None and max_tokens < 1:
         _fail(f"--max-tokens must be at least 1 (got {max_tokens})")
     if max_tokens_default < 1:
@@ -533,12 +563,14 @@ def serve(
         _fail(f"--max-concurrent must be at least 1 (got {max_concurrent})")
     if max_queue < 0:
         _fail(f"--max-queue must not be negative (got {max_queue})")
+    if prefill_step_size is not None and (prefill_step_size < 64 or prefill_step_size % 64):
+        _fail(f"--prefill-step-size must be a positive multiple of 64 (got {prefill_step_size})")
     sampling = _sampling_defaults(temp, top_p, top_k, min_p)
-    template_args = _json_object("--chat-template-args", chat_template_args)
+    template_args = named.template_args(model, _json_object("--chat-template-args", chat_template_args))
     origins = [o.strip() for o in allowed_origins.split(",") if o.strip()]
     log_level = LogLevel(log_level).value
     logging.basicConfig(level=log_level, format="%(asctime)s - %(levelname)s - %(message)s")
-    loaded, tokenizer = _load(model, draft, draft_quant, stages, peer_timeout, draft_window=draft_window)
+    loaded, tokenizer = _load(model, draft, draft_quant, stages, peer_timeout, draft_window=draft_window, exact=exact)
     with _ranks(loaded):
         _check_block_tokens((loaded, tokenizer), block_tokens)
         if not loaded.runner.batches and max_concurrent > 1:
@@ -551,7 +583,8 @@ def serve(
             max_request_bytes=max_request_bytes, block_tokens=block_tokens, prompt_cache_bytes=int(prompt_cache_gb * 1e9),
             sampling=sampling, chat_template_args=template_args, allowed_origins=origins, draft_quant=draft_quant,
             model_aliases=model_alias or (), max_concurrent=max_concurrent, max_queue=max_queue,
-            max_tokens_default=max_tokens_default,
+            max_tokens_default=max_tokens_default, prefill_step_size=prefill_step_size,
+            prompt_store=_prompt_store(loaded, prompt_cache_dir, prompt_cache_disk_gb),
         )
         engine = app_.state.engine
         if demo_context:
@@ -694,16 +727,19 @@ def _free_port() -> int:
 
 @app.command()
 def doctor(
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Target to check for memory (folder, repo id or 'demo'); omit to check the machine only. Nothing is converted or downloaded beyond what loading the pair needs.")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Target to check for memory (folder, repo id, 'demo' or a named pair such as qwen3-8b, as for serve); omit to check the machine only. Nothing is converted or downloaded beyond what loading the pair needs.")] = None,
     draft: Annotated[Optional[str], typer.Option("--draft", "-d", help="DFlash draft to include (with --model demo: the demo draft by default).")] = None,
     draft_quant: DraftQuant = "none",
     context: Annotated[int, typer.Option("--context", help="Context length (prompt + answer tokens) to size the caches for.")] = 8192,
     memory_gb: Annotated[Optional[float], typer.Option("--memory-gb", help="Memory to fit in, in GiB (default: MLX's recommended working set on a Mac, total memory elsewhere).")] = None,
     probe_tokens: Annotated[int, typer.Option("--probe-tokens", help="With a draft: tokens generated in each thinking mode to compare acceptance (0 = skip).")] = 48,
-    tune: Annotated[bool, typer.Option("--tune", help="With --model: time MLX's stock quantized matmul against the verify kernels (per-row and tile) for every quantized matmul shape of the pair at 1..16 rows, print the table and keep one per shape for every row count (stock only where MLX runs one row-independent kernel at every row count on this GPU; saved under $DFLASH_MLX_HOME; the first load of a pair on a GPU does this for shapes it has not seen). Off an Apple GPU there is nothing to tune.")] = False,
+    tune: Annotated[bool, typer.Option("--tune", help="With --model: time MLX's stock quantized matmul against the verify kernels (per-row and tile) for every quantized matmul shape of the pair at 1..16 rows, print the table, what exactness (one kernel per layer for every row count) costs each shape and the pair, and which layers run what: exact where it costs a layer at most 3%, else the fastest at each row count (saved under $DFLASH_MLX_HOME; the first load of a pair on a GPU does this for shapes it has not seen; without --tune, doctor reads that saved table when it covers the pair). Off an Apple GPU there is nothing to tune.")] = False,
+    exact: Exact = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
     ranks: Annotated[int, typer.Option("--ranks", help="With --model: the memory of each rank of the target pipelined over this many machines (mlx.launch), each against this machine's budget.")] = 1,
     stages: Stages = None,
+    prompt_cache_dir: PromptCacheDir = None,
+    prompt_cache_disk_gb: PromptCacheDiskGb = 16.0,
 ) -> None:
     """Check this machine and a pair: device and GPU family, MLX versions, Metal, memory, each
     kernel's self-check, whether the pair fits at --context (or, with --ranks, each rank of a
@@ -734,7 +770,9 @@ def doctor(
         _fail("--tune needs --model (the pair whose quantized matmuls to time)")
     try:
         report = doctor_lib.diagnose(model, draft, draft_quant, context, memory_gb,
-                                     probe_tokens, tune=tune, ranks=max(ranks, len(counts or [])), stages=counts)
+                                     probe_tokens, tune=tune, ranks=max(ranks, len(counts or [])), stages=counts,
+                                     exact=exact, prompt_cache_dir=prompt_cache_dir,
+                                     prompt_cache_disk_gb=prompt_cache_disk_gb)
     except (CheckpointError, ValueError) as e:
         _fail(str(e))
     if as_json:

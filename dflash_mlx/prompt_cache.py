@@ -18,10 +18,15 @@ what the cache held; the tokens after the last checkpoint are prefilled again.
 Where the checkpoints go: with a budget of C, a prefill of an L-token prompt checkpoints every
 ceil(L/C) tokens, rounded up to the grid, so a change at any position p reuses at least
 p - L/C - 64 tokens, plus where the request asks (on the grid at or before it: where the next chat
-turn will differ), before its last token (a resend) and on the grid before that (the next turn).
+turn will differ), before its last token (a resend), on the grid before that (the next turn) and
+before its last ``REWRITTEN_TAIL`` tokens (a next turn whose template renders the end otherwise),
+and where another prompt left this history before its prompt's end (``heads``: the system prompt
+and tools two sessions share, so that the next session resumes there).
 When a later prompt adds checkpoints past the budget, the set is thinned to the one whose largest
 gap is smallest. ``PromptCachePool`` keeps several histories (a chat and an editor's completions, two
-projects) under one memory budget, least recently used first out.
+projects) under one memory budget, least recently used first out; over a disk tier
+(``prompt_store``), each history it releases is also written to disk, and a prompt that an entry
+there restarts further than RAM can is resumed from it (the same arrays, so the same bits).
 """
 
 from __future__ import annotations
@@ -32,9 +37,14 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from .cache import GRID, GatedDeltaCache, cache_arrays, features_from, on_grid
+from .cache import GRID, GatedDeltaCache, WindowCache, cache_arrays, features_from, on_grid
 
 CHECKPOINTS = 8  # spread over a prompt: about 50 MB each for the 9B target (24 Gated DeltaNet layers)
+# The tokens at a prompt's end that the next turn's template may render otherwise: the generation
+# prompt (Qwen's ``<|im_start|>assistant\n<think>\n``, a few tokens; with thinking off, a closed
+# ``<think>`` block) that the next turn replaces by the answer as rendered without its reasoning.
+REWRITTEN_TAIL = 16
+HEADS = 2  # shared heads pinned per history (``PromptCache.diverged``): a checkpoint each
 
 
 class PromptCache:
@@ -50,16 +60,23 @@ class PromptCache:
         self.checkpoints: Dict[int, list] = {}
         self.evenly_spaced = checkpoints  # checkpoints spread evenly over a prompt
         self.pinned: Set[int] = set()  # positions of the latest request's own checkpoints, never thinned away
+        # Grid positions where a later prompt left this history before its prompt's end (another
+        # session after the same system prompt and tools: the head they share), the earliest:
+        # pinned at every request, so that the next such prompt resumes there, not up to L/8 before.
+        self.heads: List[int] = []
         self._prompt: List[int] = []  # the prompt being prefilled, and where its checkpoints go
         self._plan: Set[int] = set()
 
     def reset(self) -> None:
         self.tokens, self.cache, self.draft_cache, self.owner = [], None, None, None
         self.checkpoints.clear()
-        self.pinned, self._plan = set(), set()
+        self.pinned, self._plan, self.heads = set(), set(), []
 
     def _gdn_states(self) -> list:
-        return [(c.conv_state, c.state) for c in self.cache if isinstance(c, GatedDeltaCache)]
+        """What a checkpoint keeps: each Gated DeltaNet layer's states, each sliding window's rows
+        (neither can be cut back to an earlier position)."""
+        return [(c.conv_state, c.state) if isinstance(c, GatedDeltaCache) else c.checkpoint()
+                for c in self.cache if isinstance(c, (GatedDeltaCache, WindowCache))]
 
     def shared_prefix(self, prompt: Sequence[int]) -> int:
         """How many leading tokens ``prompt`` shares with this history (all but its last at most:
@@ -115,6 +132,8 @@ class PromptCache:
                 if isinstance(c, GatedDeltaCache):
                     c.conv_state, c.state = next(states)
                     c.offset, c.tape = start, None
+                elif isinstance(c, WindowCache):
+                    c.resume(start, *next(states))
                 else:
                     c.trim(c.offset - start)
             self.tokens = self.tokens[:start]
@@ -123,9 +142,12 @@ class PromptCache:
         # The request's own checkpoints stay through thinning, also those it restarts from: else
         # resending the same prompt twice could thin away the point the third send needs.
         # Pinned too: before the last token (a resend) and the grid before it (the next turn, which
-        # goes on past this prompt: it then prefills at most 63 of its tokens again, and the answer).
+        # goes on past this prompt: it then prefills at most 63 of its tokens again, and the answer),
+        # and the grid before the prompt's last REWRITTEN_TAIL tokens: the next turn's template may
+        # render the generation prompt otherwise (Qwen's drops the answer's reasoning, and its
+        # ``<think>``, once a user message follows), so it may differ a few tokens before the end.
         last = len(prompt) - 1
-        self.pinned = {p for p in (*map(on_grid, wanted), last, on_grid(last))
+        self.pinned = {p for p in (*map(on_grid, wanted), last, on_grid(last), on_grid(last - REWRITTEN_TAIL), *self.heads)
                        if 0 < p < len(prompt) and (p >= start or p in self.checkpoints)}
         self._plan = {p for p in (*(j * step for j in range(1, self.evenly_spaced)), *self.pinned) if start < p < len(prompt)}
         self._prompt = list(prompt)
@@ -149,6 +171,15 @@ class PromptCache:
         if position == len(self._prompt):
             chosen = spread(self.checkpoints, self.pinned, position, self.evenly_spaced + len(self.pinned))
             self.checkpoints = {p: s for p, s in self.checkpoints.items() if p in chosen}
+
+    def diverged(self, prompt: Sequence[int]) -> None:
+        """Remember where ``prompt`` leaves this history, if before the end of the history's last
+        prompt (not in its answer, nor in the tail a template rewrites): a head shared with another
+        conversation. The earliest ``HEADS`` are kept: later ones are mostly where a template
+        rewrote a turn, which the tail pin of ``prepare`` serves."""
+        shared = self.shared_prefix(prompt)
+        if GRID <= shared < self.prompt_length - REWRITTEN_TAIL:
+            self.heads = sorted({*self.heads, on_grid(shared)})[:HEADS]
 
     def extend(self, tokens: List[int]) -> None:
         """Record tokens the target cache now holds."""
@@ -184,12 +215,15 @@ class PromptCache:
         states = iter(self.checkpoints[start])
         new = PromptCache(self.evenly_spaced)
         new.owner, new.tokens, new.draft_cache = self.owner, self.tokens[:start], draft_cache
+        new.heads = [h for h in self.heads if h <= start]
         new.checkpoints = {p: s for p, s in self.checkpoints.items() if p <= start}
         new.cache = []
         for c in self.cache:
             if isinstance(c, GatedDeltaCache):
                 layer = GatedDeltaCache(c.recurrence)
                 (layer.conv_state, layer.state), layer.offset = next(states), start
+            elif isinstance(c, WindowCache):
+                layer = c.fork(start, *next(states))
             else:
                 layer = KVCache()
                 layer.keys, layer.values = c.keys[..., :start, :], c.values[..., :start, :]
@@ -250,12 +284,16 @@ class PromptCachePool:
     histories go until the pool fits ``budget_bytes``; the one just used always stays.
     """
 
-    def __init__(self, budget_bytes: int, checkpoints: int = CHECKPOINTS):
+    def __init__(self, budget_bytes: int, checkpoints: int = CHECKPOINTS, store=None):
         if budget_bytes < 0:
             raise ValueError(f"the prompt cache budget must not be negative, got {budget_bytes}")
         self.budget_bytes, self.checkpoints = budget_bytes, checkpoints
         self.histories: List[PromptCache] = []  # least recently used first
         self.busy: List[PromptCache] = []  # taken by a generation not yet released
+        # The disk tier (``prompt_store.PromptStore``; None: RAM only): released histories are
+        # written there, and ``take`` loads an entry that restarts a prompt further than RAM can.
+        self.store = store
+        self.ram_hits = self.evictions = 0
 
     def take(self, prompt: Sequence[int]) -> PromptCache:
         """The history to run ``prompt`` on, now the most recently used, busy until ``release``. A
@@ -263,10 +301,18 @@ class PromptCachePool:
         it best gets a fork at the shared prefix (its arrays are never written in place)."""
         best = max(self.histories, key=lambda h: h.shared_prefix(prompt), default=None)
         shared = best.shared_prefix(prompt) if best is not None else 0
-        if best is not None and shared > 0 and 2 * shared >= best.prompt_length and best not in self.busy:
+        in_ram = best.restart_point(shared, len(prompt)) if best is not None else 0
+        found = self.store.find(prompt, better_than=in_ram) if self.store is not None else None
+        loaded = self.store.load(found[0], self.checkpoints) if found is not None else None
+        if loaded is not None:
+            chosen = loaded
+        elif best is not None and shared > 0 and 2 * shared >= best.prompt_length and best not in self.busy:
             chosen = best
         else:
             chosen = (best.fork(shared, len(prompt)) if best is not None and shared > 0 else None) or PromptCache(self.checkpoints)
+        if loaded is None and in_ram > 0:
+            self.ram_hits += 1
+        chosen.diverged(prompt)
         if chosen in self.histories:
             self.histories.remove(chosen)
         self.histories.append(chosen)
@@ -277,14 +323,21 @@ class PromptCachePool:
         """The generation on ``history`` is over: it may be taken again; the pool is trimmed."""
         if history in self.busy:
             self.busy.remove(history)
+        if self.store is not None and history is not None:
+            self.store.save(history)  # when the disk lacks its head, or it grew: ``PromptStore.save``
         self.trim()
 
     def trim(self) -> None:
         """Evict least recently used histories until the pool fits its budget (all but the last,
-        and none a generation is running on)."""
+        and none a generation is running on); with a disk tier, each goes to disk unless an entry
+        there ends at its longest checkpoint already (eviction is not loss)."""
         idle = [h for h in self.histories[:-1] if h not in self.busy]
         while idle and self.nbytes > self.budget_bytes:
-            self.histories.remove(idle.pop(0))
+            evicted = idle.pop(0)
+            if self.store is not None:
+                self.store.save(evicted, evicted=True)
+            self.histories.remove(evicted)
+            self.evictions += 1
 
     def reset(self) -> None:
         self.histories.clear()

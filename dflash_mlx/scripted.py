@@ -88,9 +88,12 @@ class Script:
 def template(ask: str = ASK, call_names: Sequence[str] = ()) -> str:
     """Qwen3.5's chat format in small, with its refusals: one system message, first, joined to the
     tools' system turn (a later one raises "System message must be at the beginning."), tool
-    results as user turns, earlier answers with their reasoning and their calls' arguments taken
-    as a mapping (``|items``, which a JSON string fails); the generation prompt ends in a route token
-    (for a call: that of the first of ``call_names`` the request's tools offer, else the first call's)."""
+    results as user turns, earlier answers with their calls' arguments taken as a mapping
+    (``|items``, which a JSON string fails) and their reasoning only after the last user query (a
+    user message that is not a tool result), as Qwen's template drops it: a new user turn rewrites
+    the history inside the answers since the previous one, and the prefix cache must live with it;
+    the generation prompt ends in a route token (for a call: that of the first of ``call_names`` the
+    request's tools offer, else the first call's)."""
     ask = json.dumps(ask)
     pick = "".join(
         "{%- if not ns.picked and f['name'] == " + json.dumps(name) + " -%}"
@@ -98,7 +101,14 @@ def template(ask: str = ASK, call_names: Sequence[str] = ()) -> str:
         for i, name in enumerate(call_names)
     )
     return (
-        "{%- set ns = namespace(tool=false, ask=false, route=" + json.dumps(ROUTE_TOKENS["tool"]) + ", picked=false) -%}"
+        "{%- set ns = namespace(tool=false, ask=false, route=" + json.dumps(ROUTE_TOKENS["tool"]) + ", picked=false,"
+        " last_query=(messages | length) - 1, query_found=false) -%}"
+        # Qwen's last_query_index: the last user message that is not a tool result (none: the last message).
+        "{%- for m in messages | reverse -%}"
+        "{%- if not ns.query_found and m['role'] == 'user' and not (m['content'] is string"
+        " and m['content'].startswith('<tool_response>') and m['content'].endswith('</tool_response>')) -%}"
+        "{%- set ns.last_query = (messages | length) - loop.index -%}{%- set ns.query_found = true -%}{%- endif -%}"
+        "{%- endfor -%}"
         "{%- for t in tools or [] -%}"
         "{%- set f = t['function'] if t['function'] is defined else t -%}" + pick +
         "{%- endfor -%}"
@@ -122,7 +132,8 @@ def template(ask: str = ASK, call_names: Sequence[str] = ()) -> str:
         "{% if m['role'] == 'system' %}{% if not loop.first %}{{ raise_exception('System message must be at the beginning.') }}{% endif %}"
         "{% elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
         "{% else %}<|im_start|>{{ m['role'] }}\n"
-        "{% if m['role'] == 'assistant' and m.get('reasoning_content') %}<think>\n{{ m['reasoning_content'] }}\n</think>\n\n{% endif %}"
+        "{% if m['role'] == 'assistant' and m.get('reasoning_content') and loop.index0 > ns.last_query %}"
+        "<think>\n{{ m['reasoning_content'] }}\n</think>\n\n{% endif %}"
         "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] or [] %}{{ p['text'] or '' }}{% endfor %}{% endif %}"
         "{% for c in m.get('tool_calls') or [] %}<tool_call>\n<function={{ c['function']['name'] }}>\n"
         "{% for k, v in c['function']['arguments'] | items %}"

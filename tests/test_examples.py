@@ -98,3 +98,22 @@ def test_auto_replay_records_what_a_verified_run_accepts(tmp_path):
 
     replayed = run_example("examples/auto_replay.py", "replay", str(records), "--seeds", "2", "--repeats", "1")
     assert "edit: replayed speedup" in replayed
+
+
+@pytest.mark.slow
+def test_agent_replay_reuses_the_shared_head_across_sessions_and_a_restart():
+    """The scripted pair behind ``serve``: every turn but the cold ones reuses most of its prompt,
+    and after the restart each session's first turn comes from disk: it recomputes its task's tokens
+    and under 64 more (Claude Code's), or from the head pinned before it (Codex's: its task is longer)."""
+    out = run_example("examples/agent_replay.py", "--model", "scripted", "--turns", "2", "--max-tokens", "16")
+    table = {(r[0], r[1], int(r[2])): r for r in (rows(out, p) for p in ("cold", "warm", "alternating", "restart"))
+             for r in r}
+    assert len(table) == 12
+    for (phase, agent, turn), r in table.items():
+        prompt, reused, source = int(r[3]), int(r[4]), r[5]
+        if (phase, turn) == ("cold", 1) or (phase, agent, turn) == ("alternating", "codex", 1):
+            assert reused == 0
+        elif phase == "restart" and turn == 1:
+            assert source == "disk" and prompt - reused < (64 + 64 if agent == "claude" else 512), r  # its task's tokens too
+        else:
+            assert prompt - reused < prompt / 8 + 64, r

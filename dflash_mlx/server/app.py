@@ -202,7 +202,43 @@ async def root(request: Request, engine: Engine = Depends(current_engine)):
 
 
 async def metrics(engine: Engine = Depends(current_engine)):
-    return PlainTextResponse(engine.metrics.prometheus(engine.name, engine.prompt_caches.budget_bytes, engine.model.block_stats))
+    return PlainTextResponse(engine.metrics.prometheus(engine.name, engine.prompt_caches.budget_bytes, engine.model.block_stats)
+                             + engine.ignored_fields.prometheus(engine.name)
+                             + prompt_cache_metrics(engine.name, engine.prompt_caches))
+
+
+def prompt_cache_metrics(model: str, pool) -> str:
+    """The prefix cache's tiers in Prometheus' text format: RAM hits and evictions, and with the
+    disk tier its hits, bytes read and written, load seconds, evictions and size (plain counters
+    the worker thread moves: read here without a lock, a scrape may see one a step behind)."""
+    rows = [("dflash_prompt_cache_ram_hits_total", "counter", "Requests resumed from a history in RAM", pool.ram_hits),
+            ("dflash_prompt_cache_ram_evictions_total", "counter", "Histories evicted from RAM (--prompt-cache-gb)",
+             pool.evictions)]
+    store = pool.store
+    if store is not None:
+        s = store.stats
+        rows += [
+            ("dflash_prompt_cache_disk_hits_total", "counter", "Requests resumed from an entry loaded from disk", s.hits),
+            ("dflash_prompt_cache_disk_loaded_bytes_total", "counter", "Bytes of caches loaded from disk", s.loaded_bytes),
+            ("dflash_prompt_cache_disk_load_seconds_total", "counter", "Seconds spent loading entries from disk",
+             s.load_seconds),
+            ("dflash_prompt_cache_disk_writes_total", "counter", "Entries written to disk", s.writes),
+            ("dflash_prompt_cache_disk_written_bytes_total", "counter", "Bytes written to disk", s.written_bytes),
+            ("dflash_prompt_cache_disk_write_seconds_total", "counter", "Seconds spent writing entries", s.write_seconds),
+            ("dflash_prompt_cache_disk_write_errors_total", "counter", "Writes that failed (a full or read-only disk)",
+             s.write_errors),
+            ("dflash_prompt_cache_disk_evictions_total", "counter", "Entries removed for --prompt-cache-disk-gb",
+             s.evictions),
+            ("dflash_prompt_cache_disk_bad_files_total", "counter", "Corrupt or truncated entries skipped and removed",
+             s.bad_files),
+            ("dflash_prompt_cache_disk_bytes", "gauge", "Bytes in --prompt-cache-dir (every pair's entries)", store.nbytes),
+            ("dflash_prompt_cache_disk_budget_bytes", "gauge", "--prompt-cache-disk-gb", store.budget_bytes),
+        ]
+    out = []
+    for name, kind, doc, value in rows:
+        out += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f'{name}{{model="{model}"}} {value}']
+    return "\n".join(out) + "\n"
+
 
 
 def create_app(
@@ -225,6 +261,8 @@ def create_app(
     max_concurrent: int = DEFAULT_CONCURRENCY,
     max_queue: int = DEFAULT_QUEUE,
     max_tokens_default: int = DEFAULT_ANSWER_TOKENS,
+    prompt_store=None,
+    prefill_step_size: Optional[int] = None,
 ) -> FastAPI:
     """The server's app. ``context_limit`` defaults to the longest context that fits in memory
     (``memory_bytes``, default this machine's) beside the pair's weights (``draft_quant``: how the
@@ -237,11 +275,14 @@ def create_app(
     (the request's own win); ``allowed_origins``: the origins browsers may call from (CORS; ``*``:
     any); ``model_aliases``: more ids /v1/models lists (any id is served, those without a log line).
     ``max_concurrent``: generations decoded together in one batch (1: one at a time);
-    ``max_queue``: requests that may wait beyond those (more get a 503 with Retry-After)."""
+    ``max_queue``: requests that may wait beyond those (more get a 503 with Retry-After).
+    ``prompt_store``: the prefix cache's disk tier (``prompt_store.PromptStore``; None: RAM only).
+    ``prefill_step_size``: prompt tokens per prefill chunk for every request (None: the backend's)."""
     engine = Engine(model, tokenizer, model_name, context_limit, max_tokens_cap, block_tokens, prompt_cache_bytes,
                     sampling=sampling, chat_template_args=chat_template_args, draft_quant=draft_quant,
                     memory_bytes=memory_bytes, max_concurrent=max_concurrent, max_queue=max_queue,
-                    max_tokens_default=max_tokens_default)
+                    max_tokens_default=max_tokens_default, prompt_store=prompt_store,
+                    prefill_step_size=prefill_step_size)
     engine.aliases = set(model_aliases) - {model_name}
     if keepalive_seconds is not None:
         engine.keepalive_seconds = keepalive_seconds

@@ -24,16 +24,17 @@ import time
 from collections import deque
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable, Deque, Dict, List, Optional, Union
+from typing import Any, Deque, Dict, List, Optional, Union
 
 from starlette.requests import Request
 
 from ..api import DFlashModel, GenerationResponse, RunTotals, stream_generate
 from ..checkpoint_files import text_part
 from ..pipeline import PeerLost
+from ..grammar import Grammars
 from ..prompt_cache import PromptCachePool
-from ..reasoning import START, ReasoningSplitter, opens_reasoning
 from ..scheduler import BatchRequest, Scheduler
 from .errors import APIError
 from .fields import IgnoredFields
@@ -325,7 +326,8 @@ class Engine:
                  prompt_cache_bytes: int = 4 << 30, sampling: Optional[Dict[str, Any]] = None,
                  chat_template_args: Optional[Dict[str, Any]] = None, draft_quant: Optional[str] = None,
                  memory_bytes: Optional[int] = None, max_concurrent: int = DEFAULT_CONCURRENCY,
-                 max_queue: int = DEFAULT_QUEUE, max_tokens_default: int = DEFAULT_ANSWER_TOKENS):
+                 max_queue: int = DEFAULT_QUEUE, max_tokens_default: int = DEFAULT_ANSWER_TOKENS,
+                 prompt_store=None, prefill_step_size: Optional[int] = None):
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent must be at least 1, got {max_concurrent}")
         if max_queue < 0:
@@ -352,7 +354,9 @@ class Engine:
         self.chat_template_args = dict(chat_template_args or {})
         self.pending: "queue.SimpleQueue[Job]" = queue.SimpleQueue()
         # A pipelined target's caches live on every rank: none are kept between requests.
-        self.prompt_caches = PromptCachePool(prompt_cache_bytes if model.runner.keeps_prompt_cache else 0)
+        # ``prompt_store``: its disk tier (``prompt_store.PromptStore``), written and read on the worker thread.
+        self.prompt_caches = PromptCachePool(prompt_cache_bytes if model.runner.keeps_prompt_cache else 0,
+                                             store=prompt_store if model.runner.keeps_prompt_cache else None)
         self.jobs: set = set()  # submitted and not done
         self.metrics = Metrics()
         self.aliases: set = set()  # other model ids served silently (--model-alias)
@@ -362,7 +366,9 @@ class Engine:
         # One engine for every request of a model held here, one at a time or several: the scheduler
         # (a request at --max-concurrent 1 is the same computation as at 4). A pipelined target's
         # ranks run one request in lockstep: it runs each through stream_generate (``_run``).
-        self.scheduler = Scheduler(model, tokenizer, max_concurrent, self.prompt_caches) if model.runner.batches else None
+        self.prefill_step_size = prefill_step_size
+        self.scheduler = (Scheduler(model, tokenizer, max_concurrent, self.prompt_caches, prefill_step_size)
+                          if model.runner.batches else None)
         # Last: the worker uses every field above.
         work = self._work if self.scheduler is None else self._schedule
         threading.Thread(target=work, name="dflash-generate", daemon=True).start()
@@ -372,6 +378,11 @@ class Engine:
         given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
         chosen = {k: (self.sampling[k] if v is None else v) for k, v in given.items()}
         return dict(temp=chosen["temperature"], top_p=chosen["top_p"], top_k=chosen["top_k"], min_p=chosen["min_p"])
+
+    @cached_property
+    def grammars(self) -> Grammars:
+        """The grammar engine's setup for this tokenizer (structured outputs), made on first use."""
+        return Grammars.for_tokenizer(self.tokenizer, self.model.target.args.vocab_size)
 
     def served_name(self, requested: Optional[str]) -> str:
         """The model id an answer carries: the one the request asked for. Any id is served by the
@@ -421,13 +432,6 @@ class Engine:
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
-
-    def splitter(self, prompt_ids: List[int]) -> Callable[[], ReasoningSplitter]:
-        """Fresh reasoning splitters for answers to this prompt: on when the template thinks,
-        starting inside the reasoning when the prompt opened it."""
-        thinks = START in (self.tokenizer.chat_template or "")
-        opened = thinks and opens_reasoning(self.tokenizer.decode(prompt_ids[-16:]))
-        return lambda: ReasoningSplitter(opened, enabled=thinks)
 
     def submit(self, prompt, options: Dict[str, Any]) -> Job:
         """Queue a generation. Beyond ``max_concurrent`` running and ``max_queue`` waiting, a 503
@@ -521,6 +525,7 @@ class Engine:
             if not job.cancelled.is_set():  # else cancelled while it waited
                 pool = self.prompt_caches if self.model.runner.keeps_prompt_cache else None
                 stream = stream_generate(self.model, self.tokenizer, job.prompt, prompt_cache=pool,
+                                         prefill_step_size=self.prefill_step_size,
                                          cancelled=job.cancelled.is_set, **job.options)
                 for last in stream:
                     if job.last is None:
