@@ -67,3 +67,28 @@ def test_a_new_user_turn_prefills_only_its_tokens_and_what_the_template_rewrote(
     # What it prefills again: from the rewrite on (its own tokens, the rewritten answers), and the
     # rewrite's offset into its 64-token grid step.
     assert cached == rewrite - rewrite % GRID, (cached, rewrite, len(before), len(after))
+
+
+def test_a_new_session_resumes_at_the_end_of_the_head_it_shares(tmp_path):
+    """An agent's second session (or the first after a restart) sends the same head (system prompt
+    and tools) with another task: it resumes at the head's end (on the grid), as the server pins a
+    checkpoint there, not at the nearest evenly spaced checkpoint before it. The head's end is
+    found here apart from the server, as the tokens the two sessions' prompts share."""
+    from fastapi.testclient import TestClient
+
+    from dflash_mlx.server import create_app
+
+    target, draft = scripted.cached_pair(tmp_path / "scripted", agents.scripted_script())
+    model, tokenizer = load(str(target), draft=str(draft))
+    system = {"role": "system", "content": "You are a coding agent. Follow the repository's rules. " * 60}
+    sessions = [[system, {"role": "user", "content": task}] for task in
+                ("Fix the failing test in the parser, then run the whole suite. " * 12, "Say hi.")]
+    prompts = [rendered(tokenizer, s) for s in sessions]
+    shared = next(i for i, (a, b) in enumerate(zip(*prompts)) if a != b)
+    with TestClient(create_app(model, tokenizer, "scripted")) as client:
+        cached = []
+        for messages in sessions:
+            body = {"model": "scripted", "messages": messages, "tools": TOOLS, "temperature": 0, "max_tokens": 2}
+            cached.append(client.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens_details"]
+                          ["cached_tokens"])
+    assert cached[0] == 0 and cached[1] == shared // GRID * GRID, (cached, shared, [len(p) for p in prompts])

@@ -284,7 +284,9 @@ async def messages(req: MessagesRequest, request: Request, engine: Engine = Depe
     calls, tool_name, parallel = anthropic_tool_choice(req.tool_choice)
     schema, where = _format(req)
     grammar = constraint(engine, prompt, schema, tools, calls, tool_name, parallel, schema_param=where)
-    job = engine.submit(prompt, dict(max_tokens=budget, stop=req.stop_sequences or [],
+    extra = {} if _thinking(req) is None else {"enable_thinking": _thinking(req)}
+    head = await engine.head_end(template_messages(engine.tokenizer, chat_messages(req)), _tools(req), prompt, **extra)
+    job = engine.submit(prompt, dict(max_tokens=budget, stop=req.stop_sequences or [], checkpoint_at=head,
                                      **engine.sampling_options(req.temperature, req.top_p, req.top_k),
                                      **({} if grammar is None else {"constraint": grammar})))
     reply = _Reply(model, splitters(engine.tokenizer, prompt), lambda: ToolCallScanner(engine.tokenizer if tools else None, tools))

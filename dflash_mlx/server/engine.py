@@ -433,6 +433,35 @@ class Engine:
             ids = ids["input_ids"]
         return list(ids)
 
+    async def head_end(self, messages: List[Dict[str, Any]], tools, prompt_ids: List[int], **template_kwargs) -> List[int]:
+        """Where the prompt's head ends (its leading system or developer messages and its tools, what
+        every session of an agent sends alike), as ``checkpoint_at`` for the prefix cache: the
+        tokens ``prompt_ids`` shares with the head rendered before a stand-in user turn. So the
+        first request of a session that shares a head with a cached one (another session, a restart)
+        resumes at the head's end, not at the nearest evenly spaced checkpoint before it. Empty
+        without a head, or where the template does not render one."""
+        head = []
+        for m in messages:
+            if m.get("role") not in ("system", "developer"):
+                break
+            head.append(m)
+        if not head and not tools:
+            return []
+        template_kwargs = {**self.chat_template_args, **template_kwargs}
+
+        def apply():
+            return self.tokenizer.apply_chat_template([*head, {"role": "user", "content": "\u2063"}], tools=tools,
+                                                      add_generation_prompt=False, tokenize=True, **template_kwargs)
+
+        try:
+            ids = await asyncio.to_thread(apply)
+        except Exception:  # a template that wants more than a head: no checkpoint asked for
+            return []
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        shared = next((i for i, (a, b) in enumerate(zip(ids, prompt_ids)) if a != b), min(len(ids), len(prompt_ids)))
+        return [shared] if 0 < shared < len(prompt_ids) else []
+
     def submit(self, prompt, options: Dict[str, Any]) -> Job:
         """Queue a generation. Beyond ``max_concurrent`` running and ``max_queue`` waiting, a 503
         that tells the client when to retry."""

@@ -154,8 +154,10 @@ async def chat_completions(req: ChatRequest, request: Request, engine: Engine = 
     thinking = thinking_switch(req.chat_template_kwargs, req.reasoning_effort, req.reasoning)
     if thinking is not None:
         template_kwargs["enable_thinking"] = thinking
-    prompt_ids = await engine.render(template_messages(engine.tokenizer, messages), tools, **template_kwargs)
+    rendered = template_messages(engine.tokenizer, messages)
+    prompt_ids = await engine.render(rendered, tools, **template_kwargs)
     opts = options(engine, req, req.max_completion_tokens or req.max_tokens, prompt_ids)
+    opts["checkpoint_at"] = await engine.head_end(rendered, tools, list(prompt_ids), **template_kwargs)
     calls, tool_name = openai_tool_choice(req.tool_choice)
     grammar = constraint(engine, list(prompt_ids), schema_of(req.response_format, "response_format", nested=True), tools,
                          calls, tool_name, req.parallel_tool_calls is not False)

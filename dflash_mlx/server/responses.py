@@ -211,7 +211,8 @@ async def responses(req: ResponsesRequest, request: Request, engine: Engine = De
     extra = {**effort_kwargs(None, req.reasoning), **({} if thinking is None else {"enable_thinking": thinking})}
     messages = chat_messages(req)  # refuses what the target cannot read before anything is counted
     engine.ignored_fields.drop(ROUTE, _dropped_parts(req), "content parts")
-    prompt = await engine.render(template_messages(engine.tokenizer, messages), tools, param="input", **extra)
+    rendered = template_messages(engine.tokenizer, messages)
+    prompt = await engine.render(rendered, tools, param="input", **extra)
     try:
         budget = engine.answer_budget(len(prompt), req.max_output_tokens)
     except ContextFull as e:  # OpenAI's words and code (Codex recognises the code)
@@ -222,7 +223,9 @@ async def responses(req: ResponsesRequest, request: Request, engine: Engine = De
     calls, tool_name = openai_tool_choice(req.tool_choice)
     grammar = constraint(engine, prompt, schema_of((req.text or {}).get("format"), "text.format", nested=False), tools,
                          calls, tool_name, req.parallel_tool_calls is not False, schema_param="text.format")
-    job = engine.submit(prompt, dict(max_tokens=budget, **sampling, **({} if grammar is None else {"constraint": grammar})))
+    head = await engine.head_end(rendered, tools, prompt, **extra)
+    job = engine.submit(prompt, dict(max_tokens=budget, checkpoint_at=head, **sampling,
+                                     **({} if grammar is None else {"constraint": grammar})))
     namespaces = {t["name"]: space for space, t in _functions(req) if space is not None}
     reply = _Reply(model, req, splitters(engine.tokenizer, prompt), lambda: ToolCallScanner(engine.tokenizer if tools else None, tools),
                    sampling, namespaces)
