@@ -143,6 +143,9 @@ def convert_tensors(source: Path, config: Dict, staging: Path, quant: Optional[t
     block for the config (or {}). ``progress(done, total, peak_bytes)`` after each tensor; tensors
     of ``direct_read_bytes`` or more that are quantized are read from disk a slice at a time."""
     module_path = loading.target_module(config).module_path
+    # the names mlx-lm's model of this family reads (gpt-oss: ``mlp.router``, ``mlp.experts``), so
+    # that mlx-lm loads the folder too; our loader maps them back (``module_path``)
+    written = getattr(loading.target_module(config), "checkpoint_path", lambda key: key)
     model = _skeleton(config)
     modules = dict(model.named_modules())
     expected = {k for k, _ in tree_flatten(model.parameters())}
@@ -184,7 +187,8 @@ def convert_tensors(source: Path, config: Dict, staging: Path, quant: Optional[t
                 w, scales, biases = quantize_rows(value, form["group_size"], form["bits"])
             out = {key: w, f"{path}.scales": scales, f"{path}.biases": biases}
             if (form["bits"], form["group_size"]) != (bits, group_size):
-                overrides[path] = {"bits": form["bits"], "group_size": form["group_size"]}
+                overrides[written(path)] = {"bits": form["bits"], "group_size": form["group_size"]}
+        out = {written(k): v for k, v in out.items()}
         mx.eval(out)
         del value
         mx.clear_cache()  # the source tensor's buffer goes back to the system, not to MLX's cache

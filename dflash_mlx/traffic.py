@@ -180,7 +180,7 @@ def expert_bytes(c: Dict, M: int) -> float:
     per_expert = Matmul("expert", c["hidden"], c["expert_width"], 3).bytes
     pairs = M * k
     reads = E * (1 - (1 - k / E) ** M) if pairs >= 64 else pairs
-    return c["layers"] * reads * per_expert
+    return c.get("expert_layers", c["layers"]) * reads * per_expert
 
 
 def decode_bytes(c: Dict) -> float:
@@ -370,13 +370,23 @@ def attention_seconds(c: Dict, M: int, gpu: GPU, context: int = CONTEXT) -> floa
     """The full-attention layers at ``M`` queries: MLX's ``sdpa_vector`` for up to 8 queries (and
     queries x GQA factor <= 32) reads the keys and values once per query; the tiled kernel reads
     them once per block of 32 queries and computes whole blocks. Per query, key and head: two
-    head_dim-long fma chains and a few softmax operations."""
-    layers = c["layers"] // c["interval"]
-    kv = context * c["kv_heads"] * c["head_dim"] * 2 * 2  # K and V, 16-bit
-    vector = M <= 8 and M * (c["heads"] // c["kv_heads"]) <= 32
+    head_dim-long fma chains and a few softmax operations. ``c["attention"]`` (a loaded target
+    of another family: ``config_of``) lists each attention layer's (heads, key heads, head size,
+    sliding window or None): a sliding layer reads its window's keys, not the context's."""
+    if "attention" not in c:
+        return c["layers"] // c["interval"] * _attention_layer_seconds(
+            c["heads"], c["kv_heads"], c["head_dim"], M, gpu, context)
+    return sum(_attention_layer_seconds(heads, kv_heads, head_dim, M, gpu,
+                                        context if window is None else min(context, window + M - 1))
+               for heads, kv_heads, head_dim, window in c["attention"])
+
+
+def _attention_layer_seconds(heads: int, kv_heads: int, head_dim: int, M: int, gpu: GPU, keys: int) -> float:
+    kv = keys * kv_heads * head_dim * 2 * 2  # K and V, 16-bit
+    vector = M <= 8 and M * (heads // kv_heads) <= 32
     reads, queries = (M, M) if vector else (math.ceil(M / 32), 32 * math.ceil(M / 32))
-    ops = queries * context * c["heads"] * (2 * c["head_dim"] + 4)
-    return layers * seconds(kv * reads, ops, gpu)
+    ops = queries * keys * heads * (2 * head_dim + 4)
+    return seconds(kv * reads, ops, gpu)
 
 
 def recurrence_seconds(c: Dict, M: int, gpu: GPU, rollback: bool = False) -> float:
@@ -397,7 +407,7 @@ def expert_seconds(c: Dict, M: int, gpu: GPU) -> float:
     if "experts" not in c:
         return 0.0
     per_expert = Matmul("expert", c["hidden"], c["expert_width"], 3)
-    ops = c["layers"] * M * c["top_k"] * per_expert.K * per_expert.N * per_expert.count * QMV_PER_ROW
+    ops = c.get("expert_layers", c["layers"]) * M * c["top_k"] * per_expert.K * per_expert.N * per_expert.count * QMV_PER_ROW
     return seconds(expert_bytes(c, M), ops, gpu)
 
 
@@ -560,8 +570,11 @@ def _linear_matmuls(model, tied: bool = False, skip=("switch_mlp",)) -> List[Mat
 
 
 def config_of(target) -> Dict:
-    """The cost model's description of a loaded Qwen3.5 target."""
+    """The cost model's description of a loaded target: Qwen3.5's from its config; any other
+    family's from its own layers (``_layers_config``)."""
     a = target.args
+    if not hasattr(a, "full_attention_interval"):
+        return _layers_config(target)
     c = dict(hidden=a.hidden_size, layers=a.num_hidden_layers, interval=a.full_attention_interval, heads=a.num_attention_heads,
              kv_heads=a.num_key_value_heads, head_dim=a.head_dim, k_heads=a.linear_num_key_heads,
              v_heads=a.linear_num_value_heads, k_dim=a.linear_key_head_dim, v_dim=a.linear_value_head_dim,
@@ -569,6 +582,29 @@ def config_of(target) -> Dict:
     if hasattr(a, "num_experts"):
         c.update(experts=a.num_experts, top_k=a.num_experts_per_tok, expert_width=a.moe_intermediate_size,
                  shared_width=a.shared_expert_intermediate_size)
+    return c
+
+
+def _layers_config(target) -> Dict:
+    """An attention-only target (Qwen3, Llama, gpt-oss, Gemma 4...) as the cost model reads it,
+    from its layers rather than Qwen3.5's shapes: every layer's attention (heads, key heads, head
+    size, sliding window: gpt-oss's and Gemma 4's windows read their window, Gemma 4's full layers
+    their own head size), no Gated DeltaNet layer, and the routed experts where a layer has a
+    mixture of experts (``switch_mlp`` beside its ``top_k``)."""
+    a = target.args
+    attention, moes = [], []
+    for layer in target.layers:
+        attn = layer.self_attn
+        attention.append((attn.n_heads, attn.n_kv_heads, attn.head_dim, attn.window))
+        moes += [m for _, m in layer.named_modules() if hasattr(m, "switch_mlp") and hasattr(m, "top_k")]
+    first = attention[0]
+    c = dict(hidden=a.hidden_size, layers=len(attention), interval=1, heads=first[0], kv_heads=first[1],
+             head_dim=first[2], k_heads=0, v_heads=0, k_dim=0, v_dim=0, vocab=a.vocab_size,
+             intermediate=a.intermediate_size, attention=attention)
+    if moes:
+        gate = moes[0].switch_mlp.gate_proj
+        c.update(experts=gate.num_experts, top_k=moes[0].top_k, expert_width=gate.output_dims,
+                 expert_layers=len(moes))
     return c
 
 

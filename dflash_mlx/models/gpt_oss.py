@@ -71,6 +71,18 @@ def module_path(key: str) -> Optional[str]:
     return key
 
 
+_OUR_NAMES = ((re.compile(r"\.mlp\.gate(?=\.|$)"), ".mlp.router"),
+              (re.compile(r"\.mlp\.switch_mlp(?=\.|$)"), ".mlp.experts"))
+
+
+def checkpoint_path(key: str) -> str:
+    """This tree's tensor or module name as mlx-lm's gpt-oss names it (``module_path``'s inverse):
+    what ``convert-target`` writes, so that mlx-lm loads the folder too."""
+    for pattern, name in _OUR_NAMES:
+        key = pattern.sub(name, key)
+    return key
+
+
 class ClampedSwiGLU(nn.Module):
     """OpenAI's gated activation: the gate clamped above at ``limit``, the linear half to
     [-limit, limit] and shifted by one: ``(up + 1) * gate * sigmoid(alpha * gate)``."""
