@@ -46,6 +46,7 @@ class Report:
     checks: List[Check] = field(default_factory=list)
     memory: Dict[str, int] = field(default_factory=dict)
     tuning: List[Any] = field(default_factory=list)  # quantized.Timing per matmul shape (--tune)
+    tuning_layers: Dict[Any, int] = field(default_factory=dict)  # the pair's layers per tuned shape
 
     def add(self, *args, **kwargs) -> Check:
         self.checks.append(Check(*args, **kwargs))
@@ -198,6 +199,39 @@ def decode_working_memory(args, block: int, element: int, tape: int) -> int:
     return tape + block * args.vocab_size * (2 * element + 8)
 
 
+def memory_args(config: Dict[str, Any], qwen3_5_args):
+    """The target's shapes as the estimate reads them: Qwen3.5's ``ModelArgs`` (``qwen3_5_args``), or
+    for an attention-only family (Qwen3, Qwen3-MoE, Llama 3.1) its own, every layer full attention
+    and no Gated DeltaNet (Qwen3.5's defaults would count Llama's layers as recurrent ones).
+    ``kv_layers`` lists each attention layer's (sliding window or None, key heads, head size): a
+    sliding layer (gpt-oss, Gemma 4, windowed Qwen3) keeps its window's rows, not the context's,
+    and Gemma 4's full layers have their own ``global_head_dim`` (the working memory takes the
+    widest head)."""
+    from types import SimpleNamespace
+
+    from .loading import CheckpointError, target_family, target_module
+
+    try:
+        family = target_family(config)
+    except CheckpointError:
+        family = "qwen3_5"  # what the estimate read before families: the loader names the problem
+    if family in ("qwen3_5", "qwen3_5_moe"):
+        args = qwen3_5_args.from_dict(config)
+        args.kv_layers = [(None, args.num_key_value_heads, args.head_dim)
+                          for t in args.layer_types if t == "full_attention"]
+        return args
+    own = target_module(config).ModelArgs.from_dict(dict(text_part(config)))
+    shape = getattr(own, "head_shape", lambda i: (own.head_dim, own.num_key_value_heads))
+    kv_layers = [(own.window(i), *shape(i)[::-1]) for i in range(own.num_hidden_layers)]
+    return SimpleNamespace(
+        hidden_size=own.hidden_size, intermediate_size=own.intermediate_size, num_attention_heads=own.num_attention_heads,
+        num_key_value_heads=own.num_key_value_heads, head_dim=max(d for _, _, d in kv_layers), vocab_size=own.vocab_size,
+        kv_layers=kv_layers,
+        num_hidden_layers=own.num_hidden_layers, layer_types=["full_attention"] * own.num_hidden_layers,
+        linear_num_key_heads=0, linear_key_head_dim=0, linear_num_value_heads=0, linear_value_head_dim=0,
+        linear_conv_kernel_dim=1)
+
+
 def estimate_memory(target_dir: Path, draft_dir: Optional[Path], draft_quant: Optional[str], context: int,
                     block: Optional[int] = None, draft_dtype: Optional[mx.Dtype] = None, chunk: Optional[int] = None,
                     draft_window: Optional[int] = None) -> Dict[str, int]:
@@ -208,6 +242,7 @@ def estimate_memory(target_dir: Path, draft_dir: Optional[Path], draft_quant: Op
     it with measured peaks."""
     from mlx_lm.models.cache import KVCache
 
+    from .cache import WindowCache
     from .loading import read_config
     from .models.dflash import ContextCache, DraftArgs, resolve_taps
     from .quant import parse_quant
@@ -216,7 +251,7 @@ def estimate_memory(target_dir: Path, draft_dir: Optional[Path], draft_quant: Op
 
     chunk = chunk or default_prefill_step()
     config = read_config(target_dir)
-    args = ModelArgs.from_dict(config)
+    args = memory_args(config, ModelArgs)
     tensors = safetensors_bytes(target_dir)
     element = _activation_bytes(tensors)
     out = {"target weights": sum(b for _, _, b in tensors.values())}
@@ -226,12 +261,17 @@ def estimate_memory(target_dir: Path, draft_dir: Optional[Path], draft_quant: Op
     if draft_dir is not None:
         first_kept = _first_kept(_draft_windows(DraftArgs.from_dict(read_config(draft_dir)), draft_window), _prompt_length(context))
     feed = _chunks(context, chunk, features_from=first_kept)
-    kv_bytes = n_attn * 2 * args.num_key_value_heads * args.head_dim * element  # per cached position
-    kv, grown, fed = KVCache(), [], 0  # the KV rows after each prompt chunk: the peak may come at any
+    # Bytes per cached row of the layers sharing a cache kind (full, or a window's): a sliding
+    # layer's WindowCache holds its window and the last pass's rows, whatever the context.
+    row_bytes: Dict[Optional[int], int] = {}
+    for window, n_kv, head_dim in args.kv_layers:
+        row_bytes[window] = row_bytes.get(window, 0) + 2 * n_kv * head_dim * element
+    kv = {w: KVCache() if w is None else WindowCache(w) for w in row_bytes}
+    grown, fed = [], 0  # the KV bytes after each prompt chunk: the peak may come at any
     for n in feed:
         fed += n
-        grown.append((n, fed, _cache_rows(kv, [n])))
-    out["attention KV caches"] = kv_bytes * grown[-1][2]
+        grown.append((n, fed, sum(row_bytes[w] * _cache_rows(c, [n]) for w, c in kv.items())))
+    out["attention KV caches"] = grown[-1][2]
     state = args.linear_num_value_heads * args.linear_value_head_dim * args.linear_key_head_dim * 4
     conv_dim = 2 * args.linear_num_key_heads * args.linear_key_head_dim + args.linear_num_value_heads * args.linear_value_head_dim
     out["Gated DeltaNet states"] = n_lin * (state + (args.linear_conv_kernel_dim - 1) * conv_dim * element)
@@ -258,9 +298,9 @@ def estimate_memory(target_dir: Path, draft_dir: Optional[Path], draft_quant: Op
     # cache is reserved whole at the start) or in a verify cycle (over the final caches). What it
     # adds to the final caches is the working memory.
     # Chunks before the draft's window run untapped: no features, no draft pass.
-    prefill = max(kv_bytes * rows + prefill_working_memory(args, end, n, element, taps if end > first_kept else [],
+    prefill = max(held + prefill_working_memory(args, end, n, element, taps if end > first_kept else [],
                                                            draft_element, draft_layers, draft_kv)
-                  for n, end, rows in grown if n > 1 or end == 1) - out["attention KV caches"]
+                  for n, end, held in grown if n > 1 or end == 1) - out["attention KV caches"]
     decode = decode_working_memory(args, block or 1, element, tape)
     out[f"working memory ({'prefill' if prefill >= decode else 'verify'})"] = max(prefill, decode)
     return out
@@ -359,14 +399,16 @@ def _probe_thinking(report: Report, model: str, draft: Optional[str], draft_quan
 
 
 def _tune(report: Report, model: str, draft: Optional[str], draft_quant: Optional[str], matmuls, cache, measure,
-          facts: device_lib.DeviceFacts) -> None:
+          facts: device_lib.DeviceFacts, exact: bool = False) -> None:
     """Time stock quantized_matmul against the verify kernels (per-row and tile) for every shape of
-    the pair (on its own weights, at the row counts the tuner times) and choose per shape for every
-    row count (stock only where it is one row-independent kernel at every row count on this GPU)."""
+    the pair (on its own weights, at the row counts the tuner times), say what exactness (one
+    implementation per layer for every row count) costs on this GPU, and which layers run what:
+    exact where it costs at most ``quantized.EXACT_BUDGET`` (or ``exact``), else the fastest at
+    each row count."""
     from . import api, quantized
 
     if matmuls is None:
-        matmuls = quantized.QuantizedMatmuls.for_this_process()
+        matmuls = quantized.QuantizedMatmuls.for_this_process(exact=exact)
     if matmuls is None:
         report.add("quantized matmuls", INFO, "nothing to tune: not an Apple GPU (MLX's stock quantized_matmul "
                    "runs here; the verify kernel is Metal's)")
@@ -379,29 +421,85 @@ def _tune(report: Report, model: str, draft: Optional[str], draft_quant: Optiona
         report.add("quantized matmuls", INFO, "nothing to tune: the pair has no quantized layer the kernel has a form "
                    "for (affine 4/8-bit or mxfp4)", "quantize the draft (--draft-quant w4) or use a 4-bit target")
         return
-    count = {impl: sum(t.choice == impl for t in report.tuning) for impl in (quantized.OURS, quantized.TILE, quantized.STOCK)}
-    failed = [t for t in report.tuning if t.kernel_s is None or t.tile_s is None]
+    report.tuning_layers = quantized.shape_counts([m for m in (loaded.target, loaded.draft) if m is not None])
     where = cache.path if cache is not None else quantized.TuningCache.for_this_device().path
+    _tuning_summary(report, matmuls.exact, f"saved in {where}", "please report this with `dflash-mlx doctor --tune` output")
+
+
+def _tuning_summary(report: Report, exact: bool, where: str, fix: str) -> None:
+    """The two lines on ``report.tuning`` (timed now or read from the cache: ``where`` says which):
+    which layers run what, and what exactness costs the pair (``exact``: --exact asked for it)."""
+    from . import quantized
+
+    layers = report.tuning_layers
+    exacts = [t for t in report.tuning if t.is_exact]
+    count = {impl: sum(layers.get(t.shape, 1) for t in exacts if t.choice == impl)
+             for impl in (quantized.OURS, quantized.TILE, quantized.STOCK)}
+    fastest = sum(layers.get(t.shape, 1) for t in report.tuning if not t.is_exact)
+    failed = [t for t in report.tuning if t.kernel_s is None or t.tile_s is None]
     report.add("quantized matmuls", FAIL if failed else OK,
-               f"of {len(report.tuning)} shapes, {count[quantized.OURS]} run the per-row verify kernel, "
-               f"{count[quantized.TILE]} the tile kernel and {count[quantized.STOCK]} stock, each at every row count "
-               f"(decode steps included; stock only where it is one row-independent kernel at every row count on this "
-               f"GPU and ours is not {quantized.MARGIN:.0%} faster; layers with a kernel run uncompiled; saved in {where})"
+               f"of {sum(layers.get(t.shape, 1) for t in report.tuning)} layers ({len(report.tuning)} shapes), "
+               f"{count[quantized.OURS]} run the per-row verify kernel, {count[quantized.TILE]} the tile kernel and "
+               f"{count[quantized.STOCK]} stock, each one kernel at every row count (exact), {fastest} the fastest at "
+               f"each row count (not exact: divergence only at the target's top-2 near-ties, `bench` reports them); "
+               f"layers with a kernel run uncompiled; {where}"
                + (f"; a kernel failed its self-check for {len(failed)}" if failed else ""),
-               "please report this with `dflash-mlx doctor --tune` output" if failed else "")
+               fix if failed else "")
+    cost = quantized.exactness_cost(report.tuning, layers)
+    report.add("exactness", INFO if exact or not fastest else WARN,
+               f"one kernel per layer for every row count costs {cost:.1%} of the pair's quantized-matmul time on this "
+               f"GPU (timed row counts summed, each shape by its layer count); kept where it costs a layer at most "
+               f"{quantized.EXACT_BUDGET:.0%}" + (" and everywhere: --exact" if exact else ""),
+               "" if exact or not fastest else
+               "run with --exact for output token for token the target's alone (and each batched request its own)")
+
+
+def _tuned(report: Report, model: str, draft: Optional[str], draft_quant: Optional[str], cache,
+           facts: device_lib.DeviceFacts, exact: bool = False) -> None:
+    """Without --tune: what exactness costs and which layers run what, read from the tuning cache
+    (``quantized.TuningCache``, this GPU's by default) where it has every quantized shape of the
+    pair, timing nothing; else "not tuned yet (run --tune)"."""
+    from . import api, quantized
+
+    if not facts.metal:
+        report.add("quantized matmuls", INFO, "nothing to tune: not an Apple GPU (MLX's stock quantized_matmul "
+                   "runs here; the verify kernel is Metal's)")
+        return
+    cache = cache if cache is not None else quantized.TuningCache.for_this_device()
+    timings = {t.shape: t for t in cache.timings(exact)}
+    if not timings:  # nothing to match the pair against: no need to load it
+        report.add("quantized matmuls", INFO, f"not tuned yet (run --tune): no timings for this GPU in {cache.path}")
+        return
+    loaded, _ = api.load(model, draft=draft, draft_quant=draft_quant, matmuls=None)  # matmuls=None: times nothing
+    layers = quantized.shape_counts([m for m in (loaded.target, loaded.draft) if m is not None])
+    if not layers:
+        report.add("quantized matmuls", INFO, "nothing to tune: the pair has no quantized layer the kernel has a form "
+                   "for (affine 4/8-bit or mxfp4)")
+        return
+    missing = [s for s in layers if s not in timings]
+    if missing:
+        report.add("quantized matmuls", INFO, f"not tuned yet (run --tune): {len(missing)} of the pair's {len(layers)} "
+                   f"quantized shapes have no timings for this GPU in {cache.path}")
+        return
+    report.tuning, report.tuning_layers = [timings[s] for s in layers], layers
+    _tuning_summary(report, exact, f"read from {cache.path} (timed by an earlier --tune or first load)",
+                    "run `dflash-mlx doctor --tune` to time them again")
 
 
 def diagnose(model: Optional[str] = None, draft: Optional[str] = None, draft_quant: Optional[str] = None,
              context: int = 8192, memory_gb: Optional[float] = None, probe_tokens: int = 48,
              facts: Optional[device_lib.DeviceFacts] = None, metal: Optional[kernels.MetalKernels] = None,
              kernel_shapes: Optional[List[tuple]] = None, tune: bool = False, matmuls=None, tuning_cache=None,
-             measure=None, ranks: int = 1, stages: Optional[List[int]] = None) -> Report:
+             measure=None, ranks: int = 1, stages: Optional[List[int]] = None, exact: bool = False,
+             prompt_cache_dir: Optional[Path] = None, prompt_cache_disk_gb: float = 16.0) -> Report:
     """Every check. ``facts`` and ``metal`` stand for this machine's device and kernels, and
     ``kernel_shapes`` (Dk, Hk, Dv, Hv) for the heads to self-check (tests pass others). ``tune``
     (with a model) re-times the pair's quantized matmuls, through ``matmuls``
-    (``quantized.QuantizedMatmuls``, this GPU's by default) into ``tuning_cache`` with ``measure``.
+    (``quantized.QuantizedMatmuls``, this GPU's by default, under ``exact``) into ``tuning_cache``
+    with ``measure``; without ``tune``, what ``tuning_cache`` holds for the pair is reported.
     ``ranks`` > 1 (with a model): the memory of each rank of a pipeline over that many machines
-    (``stages``: layers per rank), each against this machine's budget."""
+    (``stages``: layers per rank), each against this machine's budget. ``prompt_cache_dir``/
+    ``prompt_cache_disk_gb``: the prefix cache's disk tier to report (serve's defaults)."""
     facts = facts or device_lib.facts()
     if metal is None and facts.metal:
         metal = kernels.process_metal_kernels()
@@ -428,8 +526,29 @@ def diagnose(model: Optional[str] = None, draft: Optional[str] = None, draft_qua
     if tune and model is not None:
         from . import quantized
 
-        _tune(report, model, draft, draft_quant, matmuls, tuning_cache, measure or quantized.wall_time, facts)
+        _tune(report, model, draft, draft_quant, matmuls, tuning_cache, measure or quantized.wall_time, facts, exact)
+    elif model is not None:
+        _tuned(report, model, draft, draft_quant, tuning_cache, facts, exact)
+    _check_prompt_cache(report, prompt_cache_dir, prompt_cache_disk_gb, context)
     return report
+
+
+def _check_prompt_cache(report: Report, directory: Optional[Path], gb: float, context: int) -> None:
+    """The prefix cache's disk tier: its folder's size against its budget and, with a model, what
+    an entry takes (K/V per 1k tokens, Gated DeltaNet states per checkpoint: the memory estimate's)."""
+    from .prompt_cache import CHECKPOINTS
+    from .prompt_store import default_directory, directory_usage
+
+    directory = Path(directory or default_directory()).expanduser()
+    count, size = directory_usage(directory)
+    budget = int(gb * 1e9)
+    detail = (f"{directory}: {count} entries, {_gib(size)} of {_gib(budget)} (--prompt-cache-disk-gb {gb:g})" if budget
+              else f"{directory}: {count} entries, {_gib(size)}; off (--prompt-cache-disk-gb 0)")
+    kv, states = report.memory.get("attention KV caches"), report.memory.get("Gated DeltaNet states")
+    if kv is not None:
+        detail += (f"; an entry: {_gib(kv * 1000 / context)} of K/V per 1k tokens"
+                   f" + {_gib(states or 0)} per checkpoint (up to {CHECKPOINTS + 2}) + the draft's context rows")
+    report.add("prompt cache on disk", WARN if budget and size > budget else INFO, detail)
 
 
 def _check_device(report: Report, facts: device_lib.DeviceFacts) -> None:
@@ -450,10 +569,11 @@ def _check_device(report: Report, facts: device_lib.DeviceFacts) -> None:
 
 
 def _pair_folders(model: str, draft: Optional[str]) -> Tuple[Path, Optional[Path]]:
-    """The target's and the draft's folders (``demo``: the pair shipped in the package)."""
+    """The target's and the draft's folders (``demo``: the pair shipped in the package; a named
+    pair, ``defaults.PAIRS``: its repos)."""
     from . import defaults, loading
 
-    model_path, draft_path = defaults.demo(draft) if model == defaults.DEMO else (model, draft)
+    model_path, draft_path = defaults.resolve(model, draft)
     return loading.resolve_path(model_path), loading.resolve_path(draft_path) if draft_path else None
 
 
@@ -518,8 +638,8 @@ def render(report: Report) -> List[str]:
         from .quantized import render_timings
 
         lines.append("quantized matmuls, microseconds per call in batches of calls (M = rows: 1 is a decode step, 2..16 a "
-                     "verify block or draft pass; one choice per shape for every M):")
-        lines += ["  " + line for line in render_timings(report.tuning)]
+                     "verify block or draft pass), what exactness costs each shape and what its layers run:")
+        lines += ["  " + line for line in render_timings(report.tuning, report.tuning_layers)]
     return lines
 
 
@@ -527,7 +647,9 @@ def as_json(report: Report) -> Dict[str, Any]:
     from .quantized import per_rows_us
 
     tuning = [{"shape": t.shape.__dict__, "stock_us": per_rows_us(t.stock_s), "kernel_us": per_rows_us(t.kernel_s),
-               "tile_us": per_rows_us(t.tile_s), "stock_one_kernel": t.stock_one, "choice": t.choice}
+               "tile_us": per_rows_us(t.tile_s), "stock_one_kernel": t.stock_one, "exact_choice": t.exact_choice,
+               "exactness_cost": t.exactness_cost, "choice": str(t.choice), "exact": t.is_exact,
+               "layers": report.tuning_layers.get(t.shape)}
               for t in report.tuning]
     return {"ok": not report.failed, "checks": [c.__dict__ for c in report.checks], "memory_bytes": report.memory,
             "tuning": tuning}

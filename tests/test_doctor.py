@@ -83,8 +83,9 @@ def test_doctor_tune_times_every_quantized_shape_of_the_pair(tmp_path):
     """On the emulated Mac path: every (K, N, bits, group size) of the demo pair's w4 draft is timed
     at the tuner's row counts (a stand-in clock: the kernels win overall, except on the 64-column
     shapes), one choice per shape for every row count, the table printed, the choices saved and used.
-    On an M3 stock runs qmv for a decode step and qmv_wide or qmm for a block, so even where its
-    timings won, a shape runs a kernel of ours (the per-row one: the tile timed alike)."""
+    On an M3 stock runs qmv for a decode step and qmv_wide or qmm for a block, so under --exact, even
+    where its timings won, a shape runs a kernel of ours (the per-row one: the tile timed alike);
+    tests/test_quantized_routing.py has the default, exactness as a budget."""
     from dflash_mlx import quantized
 
     def measure(which, fn):
@@ -95,21 +96,101 @@ def test_doctor_tune_times_every_quantized_shape_of_the_pair(tmp_path):
         return 3.0 if out.shape[0] <= 2 or out.shape[1] == 64 else 1.0
 
     metal = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST))
-    matmuls = quantized.QuantizedMatmuls(metal)
+    matmuls = quantized.QuantizedMatmuls(metal, exact=True)
     cache = quantized.TuningCache(tmp_path / "tuning.json", "emulated M3")
     report = doctor.diagnose("demo", draft_quant="w4", probe_tokens=0, facts=M3, metal=metal, kernel_shapes=SMALL_HEADS,
-                             tune=True, matmuls=matmuls, tuning_cache=cache, measure=measure)
+                             tune=True, matmuls=matmuls, tuning_cache=cache, measure=measure, exact=True)
     assert not report.failed, doctor.render(report)
     shapes = {(t.shape.K, t.shape.N) for t in report.tuning}
     assert (64, 64) in shapes and all(set(t.stock_s) == set(quantized.TUNED_ROWS) for t in report.tuning)
     assert all(t.choice == quantized.OURS and t.stock_one is None for t in report.tuning)
     assert matmuls.choices == {t.shape: t.choice for t in report.tuning}
     text = "\n".join(doctor.render(report))
-    assert f"quantized matmuls: of {len(shapes)} shapes, {len(shapes)} run the per-row verify kernel, 0 the tile" in text
+    layers = sum(report.tuning_layers.values())
+    assert f"quantized matmuls: of {layers} layers ({len(shapes)} shapes), {layers} run the per-row verify kernel, 0 the tile" in text
     assert "affine4 gs64 K64 N64 bfloat16" in text
     saved = json.loads((tmp_path / "tuning.json").read_text())["emulated M3"]
     assert len(saved) == len(report.tuning)
     assert len(doctor.as_json(report)["tuning"]) == len(report.tuning)
+
+
+def _demo_w4_shapes():
+    """The demo pair's quantized matmul shapes under --draft-quant w4 and their layer counts, read off
+    the loaded modules here (K from the packed weight, activations in the scales' dtype)."""
+    import mlx.nn as nn
+
+    model, _ = load("demo", draft_quant="w4", matmuls=None)
+    counts = {}
+    for module in (model.target, model.draft):
+        for _, m in module.named_modules():
+            if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+                N, packed = m.weight.shape
+                shape = dict(K=packed * 32 // m.bits, N=N, bits=m.bits, group_size=m.group_size, mode=m.mode,
+                             dtype=str(m.scales.dtype).split(".")[-1])
+                key = tuple(shape.items())
+                counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _tuning_file(path, shapes, slow_decode=()):
+    """A tuning cache as ``--tune`` writes it, by hand: at every row count the per-row kernel takes
+    1 us, stock 2 us and the tile 3 us, except that stock takes 0.5 us at M = 1 for ``slow_decode``."""
+    entries = {}
+    for key in shapes:
+        shape = dict(key)
+        stock = {str(m): (0.5 if m == 1 and key in slow_decode else 2.0) for m in (1, 2, 4, 8, 16)}
+        entries["/".join(map(str, shape.values()))] = {"shape": shape, "stock_us": stock, "kernel_us": dict.fromkeys(stock, 1.0),
+                                                 "tile_us": dict.fromkeys(stock, 3.0), "stock_one_kernel": None}
+    path.write_text(json.dumps({"emulated M3": entries}))
+    return path
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_doctor_without_tune_reads_what_exactness_costs_from_the_cache(tmp_path, exact):
+    """Without --tune, a cache holding every shape of the pair is read, not timed again (the file is
+    left as it was; nothing here could time a Metal kernel): one shape, whose stock decode step is
+    4x faster than our kernel, costs 5 us exact against 4.5 us fastest (11.1%, over the 3% budget),
+    so its layers run the fastest; the others run the per-row kernel. Under --exact all do."""
+    from dflash_mlx import quantized
+
+    shapes = _demo_w4_shapes()
+    slow = max(shapes, key=lambda k: (shapes[k], k))
+    path = _tuning_file(tmp_path / "tuning.json", shapes, slow_decode=[slow])
+    written = path.read_text()
+    report = doctor.diagnose("demo", draft_quant="w4", probe_tokens=0, facts=M3,
+                             metal=kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST)), kernel_shapes=SMALL_HEADS,
+                             tuning_cache=quantized.TuningCache(path, "emulated M3"), exact=exact)
+    text = "\n".join(doctor.render(report))
+    layers, n_slow = sum(shapes.values()), shapes[slow]
+    fastest = 0 if exact else n_slow
+    assert (f"quantized matmuls: of {layers} layers ({len(shapes)} shapes), {layers - fastest} run the per-row verify "
+            f"kernel, 0 the tile kernel and 0 stock, each one kernel at every row count (exact), {fastest} the fastest") in text
+    cost = (layers * 5.0) / ((layers - n_slow) * 5.0 + n_slow * 4.5) - 1
+    assert f"one kernel per layer for every row count costs {cost:.1%} of the pair's" in text, text
+    assert f"read from {path}" in text and path.read_text() == written
+    slow_key = f"affine{dict(slow)['bits']} gs{dict(slow)['group_size']} K{dict(slow)['K']} N{dict(slow)['N']}"
+    row = next(line for line in text.splitlines() if slow_key in line)
+    assert ("kernel (exact)" if exact else "fastest: stock M=1, kernel M=2-16 (not exact)") in row, row
+    assert len(doctor.as_json(report)["tuning"]) == len(shapes)
+
+
+def test_doctor_without_tune_says_not_tuned_yet(tmp_path):
+    """An empty cache, and one lacking a shape of the pair: "not tuned yet (run --tune)", no table."""
+    from dflash_mlx import quantized
+
+    shapes = _demo_w4_shapes()
+    metal = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST))
+    partial = _tuning_file(tmp_path / "partial.json", list(shapes)[1:])
+    for path, detail in ((tmp_path / "none.json", "no timings for this GPU"),
+                         (partial, f"1 of the pair's {len(shapes)} quantized shapes have no timings")):
+        report = doctor.diagnose("demo", draft_quant="w4", probe_tokens=0, facts=M3, metal=metal, kernel_shapes=SMALL_HEADS,
+                                 tuning_cache=quantized.TuningCache(path, "emulated M3"))
+        line = next(c for c in report.checks if c.name == "quantized matmuls")
+        assert line.detail.startswith(f"not tuned yet (run --tune): {detail}") and not report.tuning, line
+    linux = device.DeviceFacts("cpu", "x86_64", False, None, 16 * doctor.GiB, None)
+    report = doctor.diagnose("demo", probe_tokens=0, facts=linux, metal=metal, kernel_shapes=SMALL_HEADS,
+                             tuning_cache=quantized.TuningCache(partial, "emulated M3"))
+    assert next(c for c in report.checks if c.name == "quantized matmuls").detail.startswith("nothing to tune: not an Apple GPU")
 
 
 def test_memory_estimate_follows_the_shapes(hf_target_dir, target_config, tmp_path):
