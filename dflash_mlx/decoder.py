@@ -248,18 +248,17 @@ class Decoder:
         mx.async_eval([s.outputs for s in steps])
         return Pass(list(batch), steps, rows, own, logits, features, started)
 
-    def resolve(self, p: Pass, since: Optional[float] = None, dropped: Container[int] = ()) -> List[Optional[Commit]]:
+    def resolve(self, p: Pass, dropped: Container[int] = ()) -> List[Optional[Commit]]:
         """Read the cycle back (its one host synchronisation), roll each sequence back to what it
-        committed, feed its draft, tell its controller. ``since``: when the cycle's time starts (the
-        single-stream loop counts from the previous read-back; default: the dispatch). ``dropped``:
-        the positions of sequences that left while the cycle ran: their caches go back to where the
-        cycle found them (the one way to abandon a cycle), and their commit is None."""
+        committed, feed its draft, tell its controller (the cycle's time runs from its dispatch).
+        ``dropped``: the positions of sequences that left while the cycle ran: their caches go back
+        to where the cycle found them (the one way to abandon a cycle), and their commit is None."""
         mx.eval([s.outputs for s in p.steps])
         # Each sequence's controller is told the whole cycle's time: what its stream waited for its
         # tokens. A block within the pass's length costs it only draft rows; one that lengthens the
         # pass costs it (and its batch-mates) the longer pass (docs/design.md, "Batched decoding").
         p.read_at = time.perf_counter()
-        seconds = p.read_at - (p.started if since is None else since)
+        seconds = p.read_at - p.started
         for i in dropped:
             restore(p.batch[i].cache, p.steps[i].undo)
             self.finish(p.batch[i])
@@ -321,6 +320,8 @@ class Decoder:
         draft = self.draft
         for seq, step in drafting:
             step.handed_off = len(seq.pending)
+            if seq.constraint is not None:  # its first mask, on a worker while the draft's pass runs
+                seq.constraint.prefetch()
         self._hand_off_pending([seq for seq, _ in drafting])
         blocks = [mx.concatenate([seq.token, mx.full((max(step.block, step.ahead + 1) - 1,), draft.mask_token_id,
                                                     seq.token.dtype)]) for seq, step in drafting]

@@ -17,13 +17,24 @@ The walk records the mask after every drafted prefix; the target verifies each r
 (greedy: argmax of the masked logits; sampled: rejection sampling between the masked target and the
 masked draft distributions), so the output is the constrained target's, token for token (greedy)
 or in distribution (sampled).
+
+What overlaps (``Grammars(overlap=True)``, the default): the mask of a block's first position
+depends only on what the sequence committed, so ``Guide.prefetch`` computes it on a worker thread
+(llguidance drops the GIL while it fills a mask) while the draft's pass runs; the walk joins it when
+the draft's picks are read back. The mask after the whole block depends on no pick of the target's,
+so the worker computes it (and rolls the matcher back) while the verify pass is built and queued;
+``Guide.masks`` joins it. A batch's sequences' masks are computed side by side the same way. The
+rest of the walk is sequential (each position's mask depends on the pick before it).
+The worker only fills numpy bitmasks: MLX evaluates on the thread that owns its stream.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -60,19 +71,25 @@ class Grammars:
     allowed). ``stop_tokens``: the tokens that end an answer, allowed where the grammar is complete.
     ``tool_format``: how the family writes a tool call (``"xml"``: Qwen3.5's ``<function=NAME>``
     with ``<parameter=P>`` blocks, mlx-lm's ``qwen3_coder`` parser; ``"json"``: a JSON object with
-    ``name`` and ``arguments``), between ``tool_call`` (start and end strings)."""
+    ``name`` and ``arguments``), between ``tool_call`` (start and end strings). ``overlap``: two
+    masks of each block (its first, while the draft's pass runs; the one after it, while the verify
+    pass is queued) are computed on a worker thread (False: every mask on the calling thread, the
+    serial path the tests compare it with)."""
 
     def __init__(self, tokenizer, vocab: int, stop_tokens: Sequence[int], tool_format: str = "xml",
                  tool_call: Tuple[str, str] = ("<tool_call>", "</tool_call>"),
-                 think: Tuple[str, str] = ("<think>", "</think>")):
+                 think: Tuple[str, str] = ("<think>", "</think>"), overlap: bool = True):
         if tool_format not in ("xml", "json"):
             raise ValueError(f"tool_format must be 'xml' or 'json', got {tool_format!r}")
         self.tokenizer, self.vocab, self.tool_format = tokenizer, int(vocab), tool_format
         self.stop_tokens = sorted(set(int(t) for t in stop_tokens))
         self.tool_call, self.think = tool_call, think
+        # One pool for every sequence under this tokenizer: a batch's masks side by side.
+        self.pool = (ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="grammar-mask")
+                     if overlap else None)
 
     @classmethod
-    def for_tokenizer(cls, tokenizer, vocab: int) -> "Grammars":
+    def for_tokenizer(cls, tokenizer, vocab: int, overlap: bool = True) -> "Grammars":
         """From mlx-lm's ``TokenizerWrapper`` (a Hugging Face fast tokenizer inside): its stop tokens,
         its tool-call markers, and its tool parser's format."""
         llg = _llguidance()
@@ -86,7 +103,7 @@ class Grammars:
         fmt = "json" if parser.endswith("json_tools") else "xml"
         markers = (getattr(tokenizer, "tool_call_start", None) or "<tool_call>",
                    getattr(tokenizer, "tool_call_end", None) or "</tool_call>")
-        return cls(ll, vocab, stops, fmt, markers)
+        return cls(ll, vocab, stops, fmt, markers, overlap=overlap)
 
     # -- compiling a request's constraint ------------------------------------------------------
 
@@ -253,7 +270,8 @@ class Constraint:
 class Guide:
     """One sequence's matcher: the state after its committed tokens. ``mask()`` for the next
     position, ``propose`` for a drafted block (masks after every drafted prefix, the matcher back
-    where it was), ``commit`` for what a cycle commits."""
+    where it was), ``commit`` for what a cycle commits; ``prefetch`` starts the next mask on the
+    worker thread (the matcher is touched by no one else until it is joined)."""
 
     def __init__(self, constraint: Constraint):
         llg = _llguidance()
@@ -263,19 +281,70 @@ class Guide:
             raise GrammarError(f"the grammar engine refused the grammar: {self.matcher.get_error()}")
         self.vocab, self.stop_tokens = g.vocab, set(g.stop_tokens)
         self.words = (max(g.vocab, g.tokenizer.vocab_size) + 31) // 32  # the engine's mask covers its vocabulary
-        self.masks: Optional[mx.array] = None  # [n + 1, V] bool: the last proposed block's masks
-        self.mask_seconds = 0.0  # host time spent on masks and the walk (for measurements)
+        self._words: Optional[np.ndarray] = None  # the last proposed block's packed masks
+        self._masks: Optional[mx.array] = None
+        self.pool = g.pool
+        # The worker's job on the matcher (and the row it fills: the next mask; None: the block's last)
+        self.ahead: Optional[Tuple[Future, Optional[np.ndarray]]] = None
+        self.mask_seconds = 0.0  # calling-thread time spent on masks and the walk (for measurements)
+        self.ahead_seconds = 0.0  # worker time on the masks computed ahead (overlapped)
 
     def _fill(self, out: np.ndarray) -> None:
         self.matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.size * out.itemsize)
         if self.matcher.is_error():
             raise RuntimeError(f"grammar matcher failed: {self.matcher.get_error()}")
 
+    def _fill_timed(self, out: np.ndarray) -> float:
+        t = time.perf_counter()
+        self._fill(out)
+        return time.perf_counter() - t
+
+    def prefetch(self) -> None:
+        """Start computing the next position's mask (after the committed tokens) on the worker;
+        the next ``mask``/``propose`` joins it. Nothing without a pool, or if one is running."""
+        if self.pool is not None and self.ahead is None:
+            row = np.zeros(self.words, np.int32)
+            self.ahead = (self.pool.submit(self._fill_timed, row), row)
+
+    def _last_mask(self, out: np.ndarray, consumed: int) -> float:
+        """The worker's part of ``propose``: the mask after the block, then the matcher back."""
+        elapsed = self._fill_timed(out)
+        self.matcher.rollback(consumed)
+        return elapsed
+
+    @property
+    def masks(self) -> mx.array:
+        """[m + 1, V] bool: the masks after every prefix of the last proposed block (its last row
+        joined from the worker: read it after the verify pass is queued)."""
+        if self._masks is None:
+            t = time.perf_counter()
+            self._join()
+            self.mask_seconds += time.perf_counter() - t
+            self._masks = unpack(mx.array(self._words), self.vocab)
+        return self._masks
+
+    def _join(self) -> Optional[np.ndarray]:
+        """Wait for the worker's job; the matcher is ours again. Its next mask, if that was the job."""
+        if self.ahead is None:
+            return None
+        future, row = self.ahead
+        self.ahead = None
+        self.ahead_seconds += future.result()
+        return row
+
+    def _first(self, out: np.ndarray) -> None:
+        """The next position's mask into ``out``: the one computed ahead, else computed now."""
+        row = self._join()
+        if row is None:
+            self._fill(out)
+        else:
+            out[:] = row
+
     def mask(self) -> mx.array:
         """[V] bool: the tokens the grammar allows next."""
         t = time.perf_counter()
         words = np.zeros((1, self.words), np.int32)
-        self._fill(words[0])
+        self._first(words[0])
         self.mask_seconds += time.perf_counter() - t
         return unpack(mx.array(words), self.vocab)[0]
 
@@ -283,7 +352,8 @@ class Guide:
         """The draft's proposals for a block under the grammar from its logits [n, V] (and, when
         sampling, the masked distributions they were drawn from); the masks after every drafted
         prefix go to ``self.masks`` ([m + 1, V] for m proposals). The block ends early after a
-        stop token (nothing after it can be committed). The matcher is left where it was."""
+        stop token (nothing after it can be committed). The matcher is left where it was (with a
+        pool: once ``masks`` is read)."""
         n = logits.shape[0]
         free = None if sampler.greedy else sampler.probs(logits)  # the unconstrained draws' distributions
         picks = (mx.argmax(logits, axis=-1) if sampler.greedy else categorical(free, sampler.key())).tolist()
@@ -291,7 +361,7 @@ class Guide:
         words = np.zeros((n + 1, self.words), np.int32)
         tokens: List[int] = []
         for k in range(n):
-            self._fill(words[k])
+            (self._first if k == 0 else self._fill)(words[k])
             token = picks[k]
             if not (words[k, token >> 5] >> (token & 31)) & 1:  # refused here: the masked row's pick
                 row = masked(logits[k], unpack(mx.array(words[k : k + 1]), self.vocab)[0])
@@ -302,26 +372,30 @@ class Guide:
             if not self.matcher.consume_token(token):
                 raise RuntimeError(f"grammar matcher refused its own mask's token {token}: {self.matcher.get_error()}")
         m = len(tokens)
+        self._words, self._masks = words[: m + 1], None
         if tokens[-1] in self.stop_tokens:
             words[m] = -1  # past the end: the row is never committed (any mask keeps it finite)
             self.matcher.rollback(m - 1)
+        elif self.pool is not None:  # the last mask needs no pick of the target's: the worker's, during the verify
+            self.ahead = (self.pool.submit(self._last_mask, words[m], m), None)
         else:
             self._fill(words[m])
             self.matcher.rollback(m)
         self.mask_seconds += time.perf_counter() - t
-        self.masks = unpack(mx.array(words[: m + 1]), self.vocab)
         proposals = mx.array(tokens, dtype=mx.int32)
         if sampler.greedy:
             return proposals, None
         # What each proposal was drawn from: a free draw kept where allowed, else a draw from the
         # masked row (with top-p/top-k/min-p the two differ: the filters pick among other tokens).
-        kept = mx.where(self.masks[:m], free[:m], 0.0)
-        probs = kept + (1.0 - kept.sum(axis=-1, keepdims=True)) * sampler.probs(masked(logits[:m], self.masks[:m]))
+        walked = unpack(mx.array(words[:m]), self.vocab)  # the rows known now (the last: maybe on the worker)
+        kept = mx.where(walked, free[:m], 0.0)
+        probs = kept + (1.0 - kept.sum(axis=-1, keepdims=True)) * sampler.probs(masked(logits[:m], walked))
         return proposals, probs
 
     def commit(self, tokens: Iterable[int]) -> None:
         """Consume what a cycle committed, up to its stop token (which ends the sequence: nothing
         after it counts)."""
+        self._join()  # a mask computed ahead is of the state before this commit: never used
         for token in tokens:
             if token in self.stop_tokens:
                 break

@@ -191,6 +191,54 @@ def test_a_batched_constrained_request_is_as_alone(demo, grammars):
         assert together == alone, settings
 
 
+def decode_commits(decoder: Decoder, prompts, constraints, samplers, max_tokens: int, stop_tokens):
+    """Every commit of a batch decoded together (tokens and log-probs), and the sequences."""
+    seqs, commits = [], []
+    for p, c, s in zip(prompts, constraints, samplers):
+        start = decoder.start(p, s, FixedBlock(4), max_tokens=max_tokens, stop_tokens=stop_tokens, constraint=c)
+        while True:
+            try:
+                next(start)
+            except StopIteration as done:
+                seq, commit = done.value
+                break
+        seqs.append(seq)
+        commits.append([commit])
+    while any(not s.done for s in seqs):
+        live = [i for i, s in enumerate(seqs) if not s.done]
+        for i, commit in zip(live, decoder.cycle([seqs[i] for i in live])):
+            commits[i].append(commit)
+    return seqs, commits
+
+
+def test_masks_computed_ahead_change_nothing(demo, grammars):
+    """Masks computed on the worker (each block's first while the draft's pass runs, its last while
+    the verify pass is queued; two constrained sequences side by side, one free) give the serial
+    path's (``overlap=False``) tokens and log-probs bit for bit, greedy and sampled; and the worker
+    did compute them. The oracle test above runs the overlapped path against llguidance alone."""
+    model, tokenizer = demo
+    stops = set(tokenizer.eos_token_ids)
+    serial = Grammars.for_tokenizer(tokenizer, model.target.args.vocab_size, overlap=False)
+    assert grammars.pool is not None and serial.pool is None
+    prompts = [prompt(tokenizer, "Describe class Stack as JSON."),
+               prompt(tokenizer, "Describe the function main as JSON."),
+               prompt(tokenizer, "Write a function.")]
+    for settings in (dict(temperature=0.0), dict(temperature=0.8, top_p=0.95)):
+        runs = []
+        for g in (grammars, serial):
+            constraint = g.json_schema(SCHEMA)
+            runs.append(decode_commits(Decoder(model.target, model.draft), prompts, [constraint, constraint, None],
+                                       [Sampler(**settings).for_request(i) for i in range(3)], 40, stops))
+        (ahead, ahead_commits), (serial_seqs, serial_commits) = runs
+        assert all(s.constraint.ahead_seconds > 0 for s in ahead[:2]), "no mask was computed ahead"
+        assert all(s.constraint.ahead_seconds == 0 for s in serial_seqs[:2])
+        for a, b in zip(ahead_commits, serial_commits):
+            assert [c.tokens for c in a] == [c.tokens for c in b], settings
+            assert all(np.array_equal(np.array(x.logprobs.astype(mx.float32)), np.array(y.logprobs.astype(mx.float32)))
+                       for x, y in zip(a, b)), settings
+        assert sum(c.accepted for c in ahead_commits[0]) > 0  # the grammar's walk ran over drafted blocks
+
+
 # ---- sampling: chi-square against the constrained target's exact distribution --------------------
 
 V = 8
