@@ -383,17 +383,22 @@ def test_pipelined_families_give_the_targets_own_greedy_tokens(kind, tmp_path):
     tiny.write_draft(tmp_path / "draft", tiny.draft_config(config, block_size=8, target_layer_ids=[3, 1]), seed=3)
     target, _ = load_target(target_dir)
     prompts = [p.tolist() for p in random_prompts(2, VOCAB, seed=5)]
+    # Every variant for gpt-oss (windows and sinks: the most a rank's caches must roll back); the
+    # others one greedy and one sampled answer (the suite's time: each case launches two ranks).
+    full = kind == "gpt_oss"
     runs, expected = [], []
-    for prompt, blocks in ((prompts[0], ("4", "1", "auto")), (prompts[1], ("4",))):
+    cases = ((prompts[0], ("4", "1", "auto")), (prompts[1], ("4",))) if full else ((prompts[0], ("4",)),)
+    for prompt, blocks in cases:
         greedy, _ = take(target_only(target, mx.array(prompt), Sampler()), 16)
         for block in blocks:
             runs.append(dict(prompt=prompt, max_tokens=16, block_tokens=block, temp=0.0, seed=None))
             expected.append(greedy)
-    long = random_prompts(1, VOCAB, seed=6, low=70, high=71)[0]  # chunked at the smallest step: 64, 5, then 1
-    runs.append(dict(prompt=long.tolist(), max_tokens=8, block_tokens="4", temp=0.0, seed=None, prefill_step_size=64))
-    expected.append(take(target_only(target, long, Sampler()), 8)[0])
+    if full:
+        long = random_prompts(1, VOCAB, seed=6, low=70, high=71)[0]  # chunked at the smallest step: 64, 5, then 1
+        runs.append(dict(prompt=long.tolist(), max_tokens=8, block_tokens="4", temp=0.0, seed=None, prefill_step_size=64))
+        expected.append(take(target_only(target, long, Sampler()), 8)[0])
     model, tokenizer = dflash_mlx.load(str(target_dir), draft=str(tmp_path / "draft"))
-    for seed in (3, 4):
+    for seed in ((3, 4) if full else (3,)):
         runs.append(dict(prompt=prompts[1], max_tokens=12, block_tokens="4", temp=1.0, seed=seed))
         expected.append([r.token for r in dflash_mlx.stream_generate(model, tokenizer, prompts[1], max_tokens=12,
                                                                      block_tokens="4", temp=1.0, seed=seed)])
