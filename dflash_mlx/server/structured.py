@@ -7,7 +7,10 @@
 - Messages: ``output_config.format`` and the beta's ``output_format`` (``json_schema``);
   ``tool_choice`` ``any`` / ``tool``; ``disable_parallel_tool_use``.
 
-What the grammar engine cannot compile is a 400 naming the request's part.
+What the grammar engine cannot compile is a 400 naming the request's part. The grammars write
+Qwen's formats (``<think>``, ``<tool_call>``); a family that writes others is refused out loud
+where the grammar would put its answer in the wrong form: gpt-oss's harmony channels for either,
+Llama 3.1's and Gemma 4's tool calls in any grammar (``FAMILY_GRAMMARS``).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 from ..grammar import Constraint, GrammarError
-from ..reasoning import START, opens_reasoning
+from ..reasoning import GEMMA4, HARMONY, LLAMA3, START, chat_format, opens_reasoning
 from .errors import APIError
 
 
@@ -54,6 +57,11 @@ def schema_of(fmt: Optional[Dict[str, Any]], param: str, nested: bool) -> Any:
     return schema
 
 
+# What each family's answers may be constrained to here: a JSON answer, tool calls (None: no limit).
+FAMILY_GRAMMARS = {HARMONY: (), LLAMA3: ("schema",), GEMMA4: ("schema",)}
+FAMILY_NAMES = {HARMONY: "gpt-oss's harmony channels", LLAMA3: "Llama 3.1's", GEMMA4: "Gemma 4's"}
+
+
 def constraint(engine, prompt_ids: List[int], schema: Any = None, tools: Optional[List[Dict[str, Any]]] = None,
                calls: str = "auto", tool_name: Optional[str] = None, parallel: bool = True,
                schema_param: str = "response_format", tools_param: str = "tool_choice") -> Optional[Constraint]:
@@ -63,6 +71,15 @@ def constraint(engine, prompt_ids: List[int], schema: Any = None, tools: Optiona
         return None
     if calls == "required" and not tools:
         raise APIError(400, f"{tools_param}: forcing a tool call needs tools", param=tools_param)
+    family = chat_format(getattr(engine.tokenizer, "chat_template", None))
+    allowed = FAMILY_GRAMMARS.get(family)
+    if allowed is not None:
+        if schema is not None and "schema" not in allowed:
+            raise APIError(400, f"{schema_param}: structured outputs are not supported for {FAMILY_NAMES[family]} "
+                           "answer format yet", param=schema_param)
+        if tools:  # a grammar with tools writes Qwen's calls
+            raise APIError(400, f"{tools_param}: forced or single tool calls (or a format beside tools) are not "
+                           f"supported for {FAMILY_NAMES[family]} tool-call format yet", param=tools_param)
     if getattr(engine, "scheduler", None) is None:
         raise APIError(400, f"{schema_param if schema is not None else tools_param}: structured outputs and forced "
                        "tool calls need the batched engine (a pipelined target runs without it)",
