@@ -6,6 +6,7 @@ request."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -408,3 +409,28 @@ def test_the_head_two_sessions_share_is_resumed_whole_by_the_third_after_a_resta
     third = generate(model, tokenizer, third_prompt, restarted)
     assert restarted.store.stats.hits == 1 and third[-1].cached_prompt_tokens == 704
     assert same(third, generate(model, tokenizer, third_prompt, None))
+
+
+def test_a_sliding_window_target_resumed_from_disk_is_the_request_from_ram_and_cold(tmp_path):
+    """A gpt-oss target (sliding windows of 3 rows, sinks) through the disk tier: its windows' rows
+    go to disk with the entry and come back, and the next turn after a restart is, bit for bit, the
+    same turn resumed from RAM and prefilled cold."""
+    from dflash_mlx import tiny
+    from tests.test_families_window import make_window_target
+
+    target_dir = make_window_target(tmp_path / "target", "gpt_oss")
+    config = json.loads((target_dir / "config.json").read_text())
+    tiny.write_draft(tmp_path / "draft", tiny.draft_config(config, block_size=8, target_layer_ids=[3, 1]), seed=3)
+    model, tokenizer = load(str(target_dir), draft=str(tmp_path / "draft"))
+    turn1 = ids(1, 200)
+    first = PromptCachePool(GB, store=store_for(model, tmp_path / "store"))
+    out1, _ = bits(generate(model, tokenizer, turn1, first))
+    turn2 = turn1 + out1 + ids(2, 9)
+    restarted = PromptCachePool(GB, store=store_for(model, tmp_path / "store"))
+    disk = generate(model, tokenizer, turn2, restarted)
+    in_ram = PromptCachePool(GB)
+    generate(model, tokenizer, turn1, in_ram)
+    ram = generate(model, tokenizer, turn2, in_ram)
+    cold = generate(model, tokenizer, turn2, None)
+    assert restarted.store.stats.hits == 1 and disk[-1].cached_prompt_tokens == ram[-1].cached_prompt_tokens == 192
+    assert same(disk, ram) and same(disk, cold)
