@@ -136,7 +136,7 @@ def test_a_request_leaving_from_any_row_leaves_its_batch_mates_as_alone(demo, lo
 
 
 @by_rules
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
 def test_random_traffic_each_request_as_alone(demo, rules, seed):
     """Random arrivals, prompt lengths, blocks (fixed, auto, plain), greedy and seeded sampling,
     cancels, stop strings and lengths, eight requests through six slots (more rows than a GPU's

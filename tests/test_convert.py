@@ -119,6 +119,7 @@ def test_default_pair_converts_with_named_warnings(hub, tmp_path, world):
     assert "tokens the draft never saw" in done.stderr
 
 
+@pytest.mark.slow  # whole-CLI subprocesses
 def test_legacy_draft_with_mask_on_a_real_token_is_loudly_flagged(hub, tmp_path):
     out = tmp_path / "legacy"
     done = run_cli(hub, tmp_path, "--draft", "z-lab/legacy", "--out", str(out))
@@ -173,10 +174,10 @@ def test_offline_and_resumed_downloads(hub, tmp_path):
     [
         (["--draft", "z-lab/does-not-exist"], "repo z-lab/does-not-exist not found"),
         (["--draft", "z-lab/corrupt"], "cannot read"),
-        (["--draft", "z-lab/other-size"], "draft hidden_size 32, target 64: this draft was made for another model size"),
-        (["--draft", "z-lab/bad-taps"], "taps [7] are not layers of the 4-layer target"),
-        (["--draft", "z-lab/bad-mask"], "mask id 248325, target embedding has 248320 rows"),
-        (["--quant", "w5:gs3"], "bad quantization"),
+        pytest.param(["--draft", "z-lab/other-size"], "draft hidden_size 32, target 64: this draft was made for another model size", marks=pytest.mark.slow),
+        pytest.param(["--draft", "z-lab/bad-taps"], "taps [7] are not layers of the 4-layer target", marks=pytest.mark.slow),
+        pytest.param(["--draft", "z-lab/bad-mask"], "mask id 248325, target embedding has 248320 rows", marks=pytest.mark.slow),
+        pytest.param(["--quant", "w5:gs3"], "bad quantization", marks=pytest.mark.slow),
     ],
 )
 def test_bad_inputs_fail_cleanly(hub, tmp_path, args, message):
@@ -187,6 +188,7 @@ def test_bad_inputs_fail_cleanly(hub, tmp_path, args, message):
     assert not out.exists() and not list(tmp_path.glob(".out.*"))
 
 
+@pytest.mark.slow  # whole-CLI subprocesses
 def test_existing_output_needs_force(hub, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -198,6 +200,7 @@ def test_existing_output_needs_force(hub, tmp_path):
     assert (out / "config.json").exists() and not (out / "keep.txt").exists()
 
 
+@pytest.mark.slow  # whole-CLI subprocesses
 def test_draft_for_another_tokenizer_warns_on_load(hub, tmp_path, world):
     _, local_target = world
     out = tmp_path / "draft"

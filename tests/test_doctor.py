@@ -274,7 +274,8 @@ def _wide_pair(root):
     return str(root / "target"), str(root / "draft")
 
 
-@pytest.mark.parametrize("pair,context", [("demo", 4096), ("demo-window", 4096), ("wide", 3072)])
+@pytest.mark.parametrize("pair,context", [("demo", 4096), pytest.param("demo-window", 4096, marks=pytest.mark.slow),
+                                          pytest.param("wide", 3072, marks=pytest.mark.slow)])
 def test_memory_estimate_agrees_with_a_measured_run(pair, context, tmp_path):
     """The estimate at a context is within 10% of the peak a DFlash run at that context measures
     (mx.get_peak_memory after the model is loaded on an empty allocator): the demo pair at 4096

@@ -66,6 +66,7 @@ def test_attention_costs_example_times_both_and_finds_them_identical():
     assert all(float(r[2]) > 0 and float(r[3]) > 0 and r[5] == "yes" for r in cells)
 
 
+@pytest.mark.slow  # runs an example
 def test_auto_replay_records_what_a_verified_run_accepts(tmp_path):
     """The record's premise: a cycle of size b after n committed tokens accepts
     ``min(taken[n - 1], b - 1)``, whatever ran before it. The record comes from plain steps that

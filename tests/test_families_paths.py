@@ -105,7 +105,7 @@ def _wide_window_pair(root, kind: str):
     return target, root / "draft"
 
 
-@pytest.mark.parametrize("kind", ["gemma4", "gpt_oss"])
+@pytest.mark.parametrize("kind", [pytest.param("gemma4", marks=pytest.mark.slow), "gpt_oss"])
 def test_doctor_counts_the_kv_caches_a_sliding_window_target_holds(kind, tmp_path):
     """``doctor.estimate_memory``'s attention KV caches at 1200 tokens are the bytes the target's
     own caches hold after that context fed as a run feeds it (the prompt in prefill chunks, its

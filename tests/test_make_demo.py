@@ -57,6 +57,7 @@ def test_edit_examples_are_found_and_labelled_on_the_answer_only(build):
         assert answer and tokenizer.decode(answer).rstrip().endswith("<|im_end|>")
 
 
+@pytest.mark.slow  # trains a stage
 def test_lookahead_stage_trains_every_offset_and_saves_a_plain_target(build, tmp_path):
     corpus, target_dir = build
     work = tmp_path / "target"

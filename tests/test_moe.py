@@ -177,7 +177,7 @@ def references(moe, prompts):
     return [take(target_only(moe[0], p, GREEDY), 24)[0] for p in prompts]
 
 
-@pytest.mark.parametrize("block", [4, 16])  # every block size, with every acceptance length: below
+@pytest.mark.parametrize("block", [4, pytest.param(16, marks=pytest.mark.slow)])  # every acceptance length: below
 def test_moe_greedy_is_lossless(moe_pair, prompts, references, block):
     target, draft = moe_pair
     for prompt, expected in zip(prompts, references):
@@ -223,6 +223,7 @@ def test_moe_sampling_follows_the_target(tmp_path_factory):
     assert pvalue > 1e-3, f"speculative samples with the MoE target do not follow it (p={pvalue:.2g})"
 
 
+@pytest.mark.slow  # converts through the CLI
 def test_a_nested_schema_draft_for_a_moe_target_converts_and_is_lossless(tmp_path):
     """z-lab's MoE drafts read 8 taps (nested schema): `dflash-mlx convert` pairs one with a MoE
     target in the release layout, and the pair decodes losslessly."""

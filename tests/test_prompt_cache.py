@@ -336,7 +336,8 @@ def test_a_short_prompt_resent_after_a_long_answer_keeps_one_history(pair):
     assert len(pool.histories) == 1
 
 
-@pytest.mark.parametrize("temp, shared", [(0.0, 1500), (0.8, 2000)], ids=["greedy, rows dropped", "seeded, window short"])
+@pytest.mark.parametrize("temp, shared", [(0.0, 1500), pytest.param(0.8, 2000, marks=pytest.mark.slow)],
+                         ids=["greedy, rows dropped", "seeded, window short"])
 def test_a_windowed_draft_that_moved_on_keeps_the_targets_checkpoints(temp, shared):
     """The demo draft keeps a window of 1024 tokens. A history that went on past what the next
     prompt shares has dropped rows that prompt's window needs (all of them before the shared end,

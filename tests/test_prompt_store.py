@@ -190,6 +190,7 @@ print("done", flush=True)
 """
 
 
+@pytest.mark.slow  # a subprocess writing 400 MB
 def test_a_writer_killed_mid_write_leaves_nothing_that_is_loaded(pair, tmp_path):
     """A writer killed (SIGKILL) while it writes a 400 MB entry leaves a temp file, never a file
     under an entry's name: the scan indexes nothing, and the temp file goes once stale."""
@@ -378,6 +379,7 @@ print("queued", flush=True)
 """
 
 
+@pytest.mark.slow  # subprocesses
 def test_a_process_exiting_with_a_write_queued_writes_it_whole_or_drops_it(pair, tmp_path):
     """A process that ends with a write queued finishes it (the writer is no daemon): a whole entry,
     its CRC right, no temp file; one closed without a flush leaves the directory empty."""

@@ -219,6 +219,7 @@ def test_the_all_accepted_bonus_draw_follows_the_target(small_pair, monkeypatch)
     assert pvalue < 1e-4, f"a bonus drawn from the wrong row is not caught (p={pvalue:.2g})"
 
 
+@pytest.mark.slow  # a statistical sampling run
 @pytest.mark.parametrize("loop", ["the package's plain decoding", "the tests' reference"])
 def test_plain_sampling_follows_its_distribution(small_pair, loop):
     """Plain decoding (the driver with no draft) and the tests' reference loop sample from the same

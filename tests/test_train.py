@@ -84,6 +84,7 @@ def test_anchor_blocks_see_only_the_context_before_them(setup):
     assert not np.allclose(np.array(a[1]), np.array(b[1]), atol=1e-3)
 
 
+@pytest.mark.slow  # trains twice
 def test_resume_continues_the_run(setup):
     """A 30-step run interrupted after its step-20 save and resumed takes the steps an uninterrupted 30-step run
     takes: the same batches, losses and weights (not only the saved losses read back)."""
@@ -132,6 +133,7 @@ def test_cli_trains_and_rejects_bad_input(setup, tmp_path):
         assert bad.returncode == 1 and message in bad.stderr and "Traceback" not in bad.stderr
 
 
+@pytest.mark.slow  # trains a draft
 def test_the_draft_learns_a_rule_the_unigram_cannot_guess(setup, tmp_path):
     """A corpus where every character fixes the next one (one cycle of distinct characters).
 
@@ -235,6 +237,7 @@ def test_content_match_init_refuses_what_it_cannot_do(setup, tied):
         new_draft_config(target, 1, 4, 511, [1], block_only_layers=1)
 
 
+@pytest.mark.slow  # trains a draft
 def test_the_recipe_trains_and_writes_a_draft_our_loader_takes(tied, tmp_path):
     _, target_dir, corpus, model, tokenizer = tied
     out = tmp_path / "recipe"
