@@ -34,8 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from ..checkpoint_files import text_part
-from .layers import Attention, DecoderLayer, SparseMoe, TargetModel, TextModel, drop_unused, make_rope
+from .layers import Attention, DecoderLayer, SparseMoe, TargetModel, TextModel, config_params, drop_unused, make_rope
 
 _DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                  "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
@@ -118,10 +117,7 @@ class ModelArgs:
 
     @classmethod
     def from_dict(cls, config: Dict[str, Any]) -> "ModelArgs":
-        params = dict(text_part(config))
-        for key in ("tie_word_embeddings", "eos_token_id"):
-            if key not in params and key in config:
-                params[key] = config[key]
+        params = config_params(config)
         names = cls.__dataclass_fields__
         return cls(**{k: v for k, v in params.items() if k in names and v is not None})
 

@@ -16,6 +16,7 @@ from mlx_lm.models.switch_layers import SwitchGLU
 
 from .. import quantized
 from ..cache import WindowCache
+from ..checkpoint_files import text_part
 
 
 class MLP(nn.Module):
@@ -32,6 +33,17 @@ class MLP(nn.Module):
 
 
 _thread_streams = threading.local()  # MLX streams belong to the thread that made them
+
+
+def config_params(config: Dict) -> Dict:
+    """A target's parameters from its config.json: a text-only config, or the ``text_config`` of a
+    multimodal one, with the top level's ``tie_word_embeddings`` and ``eos_token_id`` where the text
+    part lacks them (Hugging Face's multimodal releases keep them there)."""
+    params = dict(text_part(config))
+    for key in ("tie_word_embeddings", "eos_token_id"):
+        if key not in params and key in config:
+            params[key] = config[key]
+    return params
 
 
 def side_streams() -> tuple:

@@ -17,8 +17,7 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..checkpoint_files import text_part
-from .layers import MLP, Attention, DecoderLayer, TargetModel, TextModel, drop_unused, make_rope
+from .layers import MLP, Attention, DecoderLayer, TargetModel, TextModel, config_params, drop_unused, make_rope
 
 
 @dataclass
@@ -76,10 +75,7 @@ class ModelArgs:
 
     @classmethod
     def from_dict(cls, config: Dict[str, Any]) -> "ModelArgs":
-        params = dict(text_part(config))
-        for key in ("tie_word_embeddings", "eos_token_id"):
-            if key not in params and key in config:
-                params[key] = config[key]
+        params = config_params(config)
         names = cls.__dataclass_fields__
         return cls(**{k: v for k, v in params.items() if k in names and v is not None})
 

@@ -16,8 +16,7 @@ from mlx_lm.models.cache import KVCache
 
 from .. import kernels
 from ..cache import GatedDeltaCache, GatedDeltaTape
-from ..checkpoint_files import text_part
-from .layers import MLP, TargetModel, cached_attention
+from .layers import MLP, TargetModel, cached_attention, config_params
 # Where they were first defined; kept importable from here (doctor, tests).
 from .layers import COMPILED_TOKENS, SCORE_ELEMENTS, SCORE_ROWS_ALIGN, attention_rows  # noqa: F401
 
@@ -85,10 +84,7 @@ class ModelArgs:
     @classmethod
     def from_dict(cls, config: Dict[str, Any]) -> "ModelArgs":
         """Reads a text-only config or the ``text_config`` of a multimodal one."""
-        params = dict(text_part(config))
-        for key in ("tie_word_embeddings", "eos_token_id"):
-            if key not in params and key in config:
-                params[key] = config[key]
+        params = config_params(config)
         if "rope_scaling" in params and not params.get("rope_parameters"):
             params["rope_parameters"] = params["rope_scaling"]
         names = cls.__dataclass_fields__
