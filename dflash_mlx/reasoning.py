@@ -41,7 +41,17 @@ def effort_kwargs(reasoning_effort: Optional[str], reasoning: Optional[dict]) ->
     return {"reasoning_effort": effort} if effort in ("low", "medium", "high") else {}
 
 
-class ReasoningSplitter:
+class WholeAnswer:
+    """A splitter's ``whole``: an answer given at once, pushed and flushed."""
+
+    def whole(self, text: str) -> Tuple[str, str]:
+        """A whole answer at once: (reasoning, content)."""
+        thought, answer = self.push(text)
+        more_thought, more_answer = self.flush()
+        return thought + more_thought, answer + more_answer
+
+
+class ReasoningSplitter(WholeAnswer):
     """Feeds on the answer's text as it streams; returns what is reasoning and what is content.
     Text that could still be the start of a tag is held back until it is decided. ``start`` and
     ``end`` are the family's tags (Qwen's ``<think>``/``</think>`` unless told: see ``splitters``)."""
@@ -91,12 +101,6 @@ class ReasoningSplitter:
                 self.pending = self.pending[len(self.pending) - hold:]
                 break
         return reasoning, content
-
-    def whole(self, text: str) -> Tuple[str, str]:
-        """A whole answer at once: (reasoning, content)."""
-        thought, answer = self.push(text)
-        more_thought, more_answer = self.flush()
-        return thought + more_thought, answer + more_answer
 
     def flush(self) -> Tuple[str, str]:
         """The end of the answer: whatever was held back goes where it was heading."""
@@ -198,7 +202,7 @@ def splitters(tokenizer, prompt_ids):
     return lambda: ReasoningSplitter(opened, enabled=thinks, start=start, end=end)
 
 
-class HarmonySplitter:
+class HarmonySplitter(WholeAnswer):
     """gpt-oss's harmony messages apart: ``analysis`` is reasoning, ``final`` (and ``commentary``
     meant for the user) is content. A message to a tool (``to=functions.NAME`` in its header) goes to
     the content side written as its template writes calls back
@@ -253,11 +257,6 @@ class HarmonySplitter:
         if self._channel() == "analysis":
             return text, ""
         return "", text
-
-    def whole(self, text: str) -> Tuple[str, str]:
-        thought, answer = self.push(text)
-        more_thought, more_answer = self.flush()
-        return thought + more_thought, answer + more_answer
 
     def flush(self) -> Tuple[str, str]:
         """The answer ended (a call ends at its stop token ``<|call|>``, which the text lacks)."""

@@ -274,6 +274,28 @@ def _wide_pair(root):
     return str(root / "target"), str(root / "draft")
 
 
+def measured_peak(target_dir, draft_dir, context: int, window=None) -> int:
+    """The peak a DFlash run of ``context`` tokens (8 generated) adds over the loaded pair, measured
+    in a process of its own (``mx.get_peak_memory`` on an allocator nothing else used)."""
+    import subprocess
+    import sys
+
+    run = f"""
+import mlx.core as mx, numpy as np
+from dflash_mlx.api import load, stream_generate
+new, base = 8, mx.get_active_memory()
+mx.reset_peak_memory()
+model, tokenizer = load({str(target_dir)!r}, draft={str(draft_dir)!r}, draft_window={window!r})
+prompt = np.random.default_rng(0).integers(3, 400, {context} - new).tolist()
+for _ in stream_generate(model, tokenizer, prompt, max_tokens=new, block_tokens=model.draft.block_size):
+    pass
+print(mx.get_peak_memory() - base)
+"""
+    done = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.split()[-1])
+
+
 @pytest.mark.parametrize("pair,context", [("demo", 4096), pytest.param("demo-window", 4096, marks=pytest.mark.slow),
                                           pytest.param("wide", 3072, marks=pytest.mark.slow)])
 def test_memory_estimate_agrees_with_a_measured_run(pair, context, tmp_path):
@@ -285,27 +307,11 @@ def test_memory_estimate_agrees_with_a_measured_run(pair, context, tmp_path):
     caches and the draft's context cache half the peak). The run is measured in a process of its
     own: in a test worker, what earlier tests left (threads, buffers, compiled graphs) moved the
     peak by up to 11%."""
-    import subprocess
-    import sys
-
     from dflash_mlx import defaults, loading
 
     target_dir, draft_dir = defaults.demo() if pair.startswith("demo") else _wide_pair(tmp_path)
     window = defaults.draft_window(loading.resolve_path(draft_dir)) if pair == "demo-window" else None
-    run = f"""
-import mlx.core as mx, numpy as np
-from dflash_mlx.api import load, stream_generate
-new, base = 8, mx.get_active_memory()
-mx.reset_peak_memory()
-model, tokenizer = load({target_dir!r}, draft={draft_dir!r}, draft_window={window!r})
-prompt = np.random.default_rng(0).integers(3, 400, {context} - new).tolist()
-for _ in stream_generate(model, tokenizer, prompt, max_tokens=new, block_tokens=model.draft.block_size):
-    pass
-print(mx.get_peak_memory() - base)
-"""
-    done = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    measured = int(done.stdout.split()[-1])
+    measured = measured_peak(target_dir, draft_dir, context, window)
     estimate = doctor.estimate_memory(loading.resolve_path(target_dir), loading.resolve_path(draft_dir), None, context,
                                       draft_window=window)
     assert abs(sum(estimate.values()) / measured - 1) < 0.10, (measured, estimate)

@@ -132,27 +132,12 @@ def test_doctor_counts_the_kv_caches_a_sliding_window_target_holds(kind, tmp_pat
 def test_doctor_estimates_gpt_oss_as_a_measured_run(tmp_path):
     """``doctor.estimate_memory`` at 3072 tokens is within 10% of the peak a DFlash run at that
     context measures in a process of its own (as tests/test_doctor.py checks Qwen3.5's)."""
-    import subprocess
-    import sys
-
     from dflash_mlx import doctor
+    from tests.test_doctor import measured_peak
 
     context = 3072
     target_dir, draft_dir = _wide_window_pair(tmp_path, "gpt_oss")
-    run = f"""
-import mlx.core as mx, numpy as np
-from dflash_mlx.api import load, stream_generate
-new, base = 8, mx.get_active_memory()
-mx.reset_peak_memory()
-model, tokenizer = load({str(target_dir)!r}, draft={str(draft_dir)!r})
-prompt = np.random.default_rng(0).integers(3, 400, {context} - new).tolist()
-for _ in stream_generate(model, tokenizer, prompt, max_tokens=new, block_tokens=model.draft.block_size):
-    pass
-print(mx.get_peak_memory() - base)
-"""
-    done = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    measured = int(done.stdout.split()[-1])
+    measured = measured_peak(target_dir, draft_dir, context)
     estimate = doctor.estimate_memory(target_dir, draft_dir, None, context)
     assert abs(sum(estimate.values()) / measured - 1) < 0.10, (measured, estimate)
 

@@ -38,7 +38,7 @@ from dflash_mlx.sampling import Sampler
 from dflash_mlx.speculative import speculative
 from tests.reference import target_only
 from tests.conftest import VOCAB, make_hf_family_target, random_prompts, spread_weights
-from tests.test_families import TOLERANCE, logits, stream_tokens, torch_forward
+from tests.test_families import TOLERANCE, logits, pair, stream_tokens, torch_forward  # noqa: F401 (pair: a fixture, on this module's hf_dir)
 from tests.test_families import test_the_schedulers_batches_on_a_gpus_rules as gpu_batch_rules
 from tests.test_lossless import OracleDraft, assert_caches_hold_the_committed_tokens, assert_lossless, stop_after, take
 from tests.test_target import assert_cached_decoding_matches_the_full_forward
@@ -249,17 +249,6 @@ def test_a_window_dropped_too_early_fails_the_rollback_check(target):
 
 
 @pytest.fixture(scope="module")
-def pair(hf_dir, tmp_path_factory):
-    """``dflash_mlx.load`` of the target with a tiny z-lab draft (nested schema, block 16) for it."""
-    from dflash_mlx import load
-
-    config = json.loads((hf_dir / "config.json").read_text())
-    draft_dir = tmp_path_factory.mktemp("draft")
-    tiny.write_draft(draft_dir, tiny.draft_config(config, block_size=16), seed=3)
-    return load(str(hf_dir), draft=str(draft_dir))
-
-
-@pytest.fixture(scope="module")
 def prompts():
     return [p.tolist() for p in random_prompts(3, VOCAB - 1, seed=11, low=4, high=24)]
 
@@ -453,26 +442,31 @@ def test_gpt_oss_mlx_lm_converted_checkpoints(oss_truncated, tmp_path, recipe, b
     np.testing.assert_allclose(logits(model), logits(mlx_lm_model(out)), atol=TOLERANCE, rtol=0)
 
 
+def assert_same_conversion(ours, theirs, model_type: str) -> None:
+    """Our ``convert-target`` folder holds mlx-lm's converter's config quantization and tensors,
+    bit for bit."""
+    from mlx.utils import tree_flatten
+
+    config, reference = (json.loads((folder / "config.json").read_text()) for folder in (ours, theirs))
+    assert config["model_type"] == model_type
+    assert {k: v for k, v in config["quantization"].items() if not isinstance(v, dict)} == \
+        {k: v for k, v in reference["quantization"].items() if not isinstance(v, dict)}
+    got = dict(tree_flatten(load_target(ours)[0].parameters()))
+    want = dict(tree_flatten(load_target(theirs)[0].parameters()))
+    assert got.keys() == want.keys()
+    for key in want:
+        assert mx.array_equal(got[key], want[key]).item(), key
+
+
 def test_gpt_oss_convert_target_writes_what_mlx_lm_convert_writes(oss_truncated, tmp_path):
     """``convert-target`` from transformers' layout: mlx-lm's converter's tensors (from the same
     weights in mlx-community's layout) bit for bit, the router's 8-bit override too."""
-    from mlx.utils import tree_flatten
-
     from dflash_mlx.target_conversion import convert_target
     from tests.test_mlx_layouts import mlx_lm_convert
 
     convert_target(str(oss_truncated), tmp_path / "ours", quant="w4:gs32")
     mlx_lm_convert(write_layout(oss_truncated, tmp_path / "mlx", "mlx"), tmp_path / "mlx_lm", "affine4", moe=True)
-    ours = json.loads((tmp_path / "ours" / "config.json").read_text())
-    theirs = json.loads((tmp_path / "mlx_lm" / "config.json").read_text())
-    assert ours["model_type"] == "gpt_oss"
-    assert {k: v for k, v in ours["quantization"].items() if not isinstance(v, dict)} == \
-        {k: v for k, v in theirs["quantization"].items() if not isinstance(v, dict)}
-    got = dict(tree_flatten(load_target(tmp_path / "ours")[0].parameters()))
-    want = dict(tree_flatten(load_target(tmp_path / "mlx_lm")[0].parameters()))
-    assert got.keys() == want.keys()
-    for key in want:
-        assert mx.array_equal(got[key], want[key]).item(), key
+    assert_same_conversion(tmp_path / "ours", tmp_path / "mlx_lm", "gpt_oss")
 
 
 # ---- Gemma 4's checkpoint layouts -----------------------------------------------------------------
@@ -539,20 +533,9 @@ def as_multimodal_mlx(path, out):
 
 
 def test_gemma4_convert_target_writes_what_mlx_lm_convert_writes(gemma_dir, tmp_path):
-    from mlx.utils import tree_flatten
-
     from dflash_mlx.target_conversion import convert_target
     from tests.test_mlx_layouts import mlx_lm_convert
 
     convert_target(str(gemma_dir), tmp_path / "ours", quant="w4:gs32")
     mlx_lm_convert(gemma_dir, tmp_path / "mlx_lm", "affine4", moe=True)
-    ours = json.loads((tmp_path / "ours" / "config.json").read_text())
-    theirs = json.loads((tmp_path / "mlx_lm" / "config.json").read_text())
-    assert ours["model_type"] == "gemma4_text"
-    assert {k: v for k, v in ours["quantization"].items() if not isinstance(v, dict)} == \
-        {k: v for k, v in theirs["quantization"].items() if not isinstance(v, dict)}
-    got = dict(tree_flatten(load_target(tmp_path / "ours")[0].parameters()))
-    want = dict(tree_flatten(load_target(tmp_path / "mlx_lm")[0].parameters()))
-    assert got.keys() == want.keys()
-    for key in want:
-        assert mx.array_equal(got[key], want[key]).item(), key
+    assert_same_conversion(tmp_path / "ours", tmp_path / "mlx_lm", "gemma4_text")

@@ -67,22 +67,8 @@ def prompt(tokenizer, text: str) -> mx.array:
 def decode(decoder: Decoder, prompts: Sequence[mx.array], constraints, samplers, max_tokens: int, block: int = 8,
            stop_tokens=()) -> List[List[int]]:
     """Each prompt's answer (up to its stop token), the sequences decoded together in one batch."""
-    seqs, out = [], []
-    for p, c, s in zip(prompts, constraints, samplers):
-        start = decoder.start(p, s, FixedBlock(block), max_tokens=max_tokens, stop_tokens=stop_tokens, constraint=c)
-        while True:
-            try:
-                next(start)
-            except StopIteration as done:
-                seq, commit = done.value
-                break
-        seqs.append(seq)
-        out.append(list(commit.tokens))
-    while any(not s.done for s in seqs):
-        live = [i for i, s in enumerate(seqs) if not s.done]
-        for i, commit in zip(live, decoder.cycle([seqs[i] for i in live])):
-            out[i] += commit.tokens
-    return [cut(tokens, max_tokens, stop_tokens) for tokens in out]
+    _, commits = decode_commits(decoder, prompts, constraints, samplers, max_tokens, stop_tokens, block)
+    return [cut([t for c in mine for t in c.tokens], max_tokens, stop_tokens) for mine in commits]
 
 
 def cut(tokens: List[int], max_tokens: int, stop_tokens) -> List[int]:
@@ -191,11 +177,11 @@ def test_a_batched_constrained_request_is_as_alone(demo, grammars):
         assert together == alone, settings
 
 
-def decode_commits(decoder: Decoder, prompts, constraints, samplers, max_tokens: int, stop_tokens):
+def decode_commits(decoder: Decoder, prompts, constraints, samplers, max_tokens: int, stop_tokens, block: int = 4):
     """Every commit of a batch decoded together (tokens and log-probs), and the sequences."""
     seqs, commits = [], []
     for p, c, s in zip(prompts, constraints, samplers):
-        start = decoder.start(p, s, FixedBlock(4), max_tokens=max_tokens, stop_tokens=stop_tokens, constraint=c)
+        start = decoder.start(p, s, FixedBlock(block), max_tokens=max_tokens, stop_tokens=stop_tokens, constraint=c)
         while True:
             try:
                 next(start)
