@@ -66,6 +66,8 @@ PAIRS: Dict[str, Pair] = {
     "gpt-oss-120b": Pair("openai/gpt-oss-120b", "z-lab/gpt-oss-120b-DFlash", "gpt_oss"),
     "gemma-4-26b-a4b": Pair("google/gemma-4-26B-A4B-it", "z-lab/gemma-4-26B-A4B-it-DFlash", "gemma4"),
     "gemma-4-31b": Pair("google/gemma-4-31B-it", "z-lab/gemma-4-31B-it-DFlash", "gemma4"),
+    # gemma4_unified; z-lab spells this draft "gemma4-", no hyphen (named by its EXL3 and GGUF conversions)
+    "gemma-4-12b": Pair("google/gemma-4-12B-it", "z-lab/gemma4-12B-it-DFlash", "gemma4"),
 }
 
 

@@ -134,6 +134,8 @@ TARGET_TYPES = {
     "qwen3": ("qwen3", "dense"), "qwen3_moe": ("qwen3_moe", "moe"), "llama": ("llama", "dense"),
     "gpt_oss": ("gpt_oss", "moe"),
     "gemma4": ("gemma4", "dense"), "gemma4_text": ("gemma4", "dense"),  # "moe" where enable_moe_block
+    # gemma-4-12B: the same text decoder beside encoder-free image/audio projections (models/gemma4.py)
+    "gemma4_unified": ("gemma4", "dense"), "gemma4_unified_text": ("gemma4", "dense"),
 }
 DRAFT_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 

@@ -1,5 +1,6 @@
 """Gemma 4 targets (``gemma4``/``gemma4_text``: gemma-4-31B dense and gemma-4-26B-A4B, a mixture of
-experts, among z-lab's DFlash pairs).
+experts; ``gemma4_unified``/``gemma4_unified_text``: gemma-4-12B, the same dense decoder beside
+encoder-free image and audio projections; all among z-lab's DFlash pairs).
 
 Every layer: RMSNorm -> attention -> RMSNorm -> residual -> RMSNorm -> GeGLU MLP (with, in the
 mixture-of-experts release, a routed block beside it, each normed on its own way out) -> RMSNorm
@@ -19,9 +20,12 @@ Not here: the per-layer embeddings and shared KV layers of the small on-device r
 refused by name.
 
 Checkpoints: Hugging Face releases are multimodal (``model.language_model.*`` beside vision and
-audio towers, dropped) with experts fused (``experts.gate_up_proj`` [E, 2I, H], gate half first);
-mlx-community's use mlx-lm's names (``experts.switch_glu.*``, ``router.proj``), quantized or
-not. ``Model.sanitize`` maps both onto this tree (the routed block under ``moe``).
+audio towers, dropped; gemma-4-12B's projections instead, ``model.vision_embedder``,
+``model.embed_vision``, ``model.embed_audio``, dropped too) with experts fused
+(``experts.gate_up_proj`` [E, 2I, H], gate half first); mlx-community's use mlx-lm's names
+(``experts.switch_glu.*``, ``router.proj``; gemma-4-12B's, converted by mlx-vlm,
+``language_model.model.*`` beside ``vision_embedder``), quantized or not. ``Model.sanitize`` maps
+them all onto this tree (the routed block under ``moe``).
 """
 
 from __future__ import annotations
@@ -72,8 +76,9 @@ class ModelArgs:
     num_kv_shared_layers: int = 0
     use_bidirectional_attention: Optional[str] = None
     # transformers 5 saves the full layers' head size and key heads per layer instead of
-    # global_head_dim / num_global_key_value_heads: {"3": {"head_dim": 512, ...}, ...}
-    per_layer_config: Optional[Dict[str, Dict[str, Any]]] = None
+    # global_head_dim / num_global_key_value_heads: {"3": {"head_dim": 512, ...}, ...}, the keys
+    # zero-padded to the widest index ("05" among 48 layers; read as integers, as transformers does)
+    per_layer_config: Optional[Dict[Any, Dict[str, Any]]] = None
 
     def __post_init__(self):
         if self.layer_types is None:  # transformers' default: five sliding layers, then a full one
@@ -95,6 +100,13 @@ class ModelArgs:
                              "text attention runs here")
         if self.hidden_activation not in ("gelu_pytorch_tanh", "gelu_approx"):
             raise ValueError(f"hidden_activation {self.hidden_activation!r}: Gemma 4's is gelu_pytorch_tanh")
+        if self.per_layer_config is not None:
+            self.per_layer_config = {int(k): v for k, v in self.per_layer_config.items()}
+            unknown = {key for own in self.per_layer_config.values() for key in own}
+            unknown -= {"head_dim", "num_key_value_heads"}
+            if unknown:
+                raise ValueError(f"{self.model_type}: per_layer_config overrides {sorted(unknown)}: only head_dim and "
+                                 "num_key_value_heads vary by layer here")
         if self.enable_moe_block and not (self.num_experts and self.top_k_experts and self.moe_intermediate_size):
             raise ValueError("enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size, got "
                              f"{self.num_experts}, {self.top_k_experts}, {self.moe_intermediate_size}")
@@ -108,7 +120,7 @@ class ModelArgs:
         the config has one, else ``global_head_dim`` and, with ``attention_k_eq_v``,
         ``num_global_key_value_heads`` (transformers' rule either way)."""
         if self.per_layer_config is not None:
-            own = self.per_layer_config.get(str(layer)) or self.per_layer_config.get(layer) or {}
+            own = self.per_layer_config.get(layer, {})
             return own.get("head_dim", self.head_dim), own.get("num_key_value_heads", self.num_key_value_heads)
         if self.layer_types[layer] != "full_attention":
             return self.head_dim, self.num_key_value_heads
@@ -132,7 +144,7 @@ _NAMES = (
 )
 _MULTIMODAL = ("model.vision_tower", "model.audio_tower", "model.embed_vision", "model.embed_audio",
                "model.multi_modal_projector", "model.vision_embedder", "vision_tower", "multi_modal_projector",
-               "audio_tower", "embed_audio", "embed_vision")
+               "audio_tower", "embed_audio", "embed_vision", "vision_embedder")
 _FUSED = re.compile(r"^(model\.layers\.\d+)\.experts\.(gate_up_proj|down_proj)$")
 
 
