@@ -234,7 +234,8 @@ class Decoder:
         self.rows = len(batch) * rows
         own = [max(step.block, self.min_rows) for step in steps]  # what each one's attention takes
         cache = batch[0].cache if len(batch) == 1 else batch_view([seq.cache for seq in batch], own)
-        logits, features = self.target.forward(mx.stack(fed), cache, self.taps, record_tape=rows > 1)
+        logits, features = self.target.forward(mx.stack(fed), cache, self.taps, record_tape=rows > 1,
+                                               proposed=[step.block - 1 for step in steps])
         for i, (seq, step) in enumerate(zip(batch, steps)):
             if seq.constraint is not None:  # each row under the grammar's mask after the prefix before it
                 allowed = seq.constraint.mask()[None] if step.block == 1 else seq.constraint.masks

@@ -48,27 +48,29 @@ WINDOW = 3  # shorter than any block plus its prompt
 KINDS = ("qwen3_window", "gpt_oss", "gemma4", "gemma4_moe")
 
 
-def make_window_target(path, kind: str, dtype: str = "float32", truncate: bool = False):
+def make_window_target(path, kind: str, dtype: str = "float32", truncate: bool = False, vocab_size: int = VOCAB,
+                       **overrides):
     """A tiny random checkpoint of ``kind`` with sliding-window layers, saved by transformers
     (gpt-oss: its config as OpenAI's release writes it, ``rope_theta`` and ``rope_scaling``, YaRN
-    with ``truncate`` as given: false in the release)."""
+    with ``truncate`` as given: false in the release). ``overrides`` (and a ``vocab_size`` under 300:
+    no tokenizer) for gpt-oss and Gemma 4: the emulated Metal tests' smaller targets."""
     if kind == "qwen3_window":
         return make_hf_family_target(path, "qwen3", dtype=dtype, use_sliding_window=True, sliding_window=WINDOW,
                                      layer_types=["sliding_attention", "full_attention"] * 2)
     if kind in ("gemma4", "gemma4_moe"):
-        return make_gemma4_target(path, moe=kind == "gemma4_moe", dtype=dtype)
+        return make_gemma4_target(path, moe=kind == "gemma4_moe", dtype=dtype, vocab_size=vocab_size, **overrides)
     if kind != "gpt_oss":
         raise ValueError(f"unknown kind {kind!r}")
     import torch
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    eos = tiny.write_tokenizer(path, VOCAB)
+    eos = tiny.write_tokenizer(path, vocab_size) if vocab_size >= 300 else None
     rope = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": truncate,
             "original_max_position_embeddings": 16, "rope_theta": 150000.0}  # YaRN's ramp within 32 dims
-    config = GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=8,
-                          num_experts_per_tok=2, sliding_window=WINDOW, max_position_embeddings=512,
-                          rope_parameters=rope, eos_token_id=eos)
+    config = GptOssConfig(**{**dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=8,
+                                    num_experts_per_tok=2, sliding_window=WINDOW, max_position_embeddings=512,
+                                    rope_parameters=rope, eos_token_id=eos), **overrides})
     torch.manual_seed(0)
     model = spread_weights(GptOssForCausalLM(config).float().eval(), stacked=True)
     with torch.no_grad():  # biases and sinks that matter, expert activations past the clamp (7)
@@ -86,7 +88,7 @@ def make_window_target(path, kind: str, dtype: str = "float32", truncate: bool =
     return path
 
 
-def make_gemma4_target(path, moe: bool, dtype: str = "float32"):
+def make_gemma4_target(path, moe: bool, dtype: str = "float32", vocab_size: int = VOCAB, **overrides):
     """A tiny random ``Gemma4ForCausalLM`` (sliding and full layers alternating, the full ones with
     their own head size and proportional RoPE, soft-capped logits; ``moe``: the routed block beside
     each MLP and keys reused as values in full layers), its config as the releases write it
@@ -94,14 +96,15 @@ def make_gemma4_target(path, moe: bool, dtype: str = "float32"):
     import torch
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
-    eos = tiny.write_tokenizer(path, VOCAB)
-    params = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=WINDOW,
+    eos = tiny.write_tokenizer(path, vocab_size) if vocab_size >= 300 else None
+    params = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=WINDOW,
                   layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=0,
                   final_logit_softcapping=30.0, max_position_embeddings=4096, eos_token_id=eos)
     if moe:
         params.update(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32,
                       attention_k_eq_v=True, num_global_key_value_heads=1)
+    params.update(overrides)
     torch.manual_seed(0)
     model = spread_weights(Gemma4ForCausalLM(Gemma4TextConfig(**params)).float().eval(), stacked=True)
     with torch.no_grad():  # gains that matter

@@ -352,7 +352,39 @@ def test_the_upstream_stand_in_passes_rollbacks_and_restores_on():
 def test_rank_0_reads_the_commits_from_the_headers():
     first = _commit(None, 0, 7)
     assert (first.tokens, first.drafted) == ([7], 0)
-    verified = _commit((4, [7, 8, 9, 10]), trim=1, next_token=11)  # 2 of 3 drafts accepted
+    verified = _commit((4, [7, 8, 9, 10], 3), trim=1, next_token=11)  # 2 of 3 drafts accepted
     assert (verified.tokens, verified.drafted, verified.accepted) == ([8, 9, 11], 3, 2)
-    plain = _commit((1, [5]), trim=0, next_token=6)
+    plain = _commit((1, [5], 0), trim=0, next_token=6)
     assert (plain.tokens, plain.drafted, plain.accepted) == ([6], 0, 0)
+    padded = _commit((2, [5, 5], 0), trim=1, next_token=6)  # a GPU's plain step: its second row padding
+    assert (padded.tokens, padded.drafted, padded.accepted) == ([6], 0, 0)
+    rejected = _commit((2, [5, 5], 1), trim=1, next_token=6)  # the same rows, a draft of one rejected
+    assert (rejected.tokens, rejected.drafted, rejected.accepted) == ([6], 1, 0)
+
+
+def test_rank_0_counts_only_what_the_draft_proposed_under_a_gpus_rules(target, draft, monkeypatch):
+    """Under a GPU's row rules (``min_rows=2``: a plain step padded to two rows) the decoder tells
+    the target each pass's proposals (the header's ``proposed``), and rank 0's commits read from
+    the headers carry the one-process commits' tokens and stats: the padding is not drafted."""
+    from dflash_mlx.sampling import Sampler
+    from dflash_mlx.speculative import speculative
+    from tests.test_lossless import ScriptedBlock, take
+
+    passes, forward = [], type(target).forward
+
+    def recording(self, x, *args, proposed=(), **kwargs):
+        if proposed:  # the decoder's passes (not the prefill's)
+            passes.append((x.shape[1], x[0].tolist(), list(proposed)))
+        return forward(self, x, *args, proposed=proposed, **kwargs)
+
+    monkeypatch.setattr(type(target), "forward", recording)
+    script = ScriptedBlock([(1, 0), (2, 0), (1, 0), (4, 0)])
+    prompt = random_prompts(1, VOCAB, seed=3)[0]
+    _, commits = take(speculative(target, draft, prompt, Sampler(), block_tokens=script, min_rows=2), 12)
+    cycles = commits[1:]  # the first token is the prefill's
+    assert [count for count, _, _ in passes[:4]] == [2, 2, 2, 4] and len(passes) >= len(cycles) >= 8
+    for (count, tokens, proposed), commit in zip(passes, cycles):
+        assert proposed == [commit.drafted]
+        read = _commit((count, tokens, proposed[0]), count - len(commit.tokens), commit.tokens[-1])
+        assert (read.tokens, read.drafted, read.accepted) == (commit.tokens, commit.drafted, commit.accepted)
+    assert sum(c.drafted for c in cycles) < sum(count - 1 for count, _, _ in passes[: len(cycles)])  # padding there

@@ -441,6 +441,7 @@ class TargetModel(nn.Module):
         taps: Sequence[int] = (),
         record_tape: bool = False,
         last_only: bool = False,
+        proposed: Sequence[int] = (),
     ) -> Tuple[mx.array, Optional[mx.array]]:
         """Logits and, when ``taps`` is given, those layers' outputs concatenated on features.
 
@@ -448,6 +449,8 @@ class TargetModel(nn.Module):
         caches need nothing: they are trimmed).
         ``last_only``: logits of the last position alone (``[B, 1, V]``), as a prefill chunk needs
         them: the vocabulary head over every prompt position is about a tenth of a 9B prefill.
+        ``proposed``: how many of each sequence's rows the draft proposed (the rows after them are
+        padding); nothing to do with it here, a pipeline's last rank reports it to rank 0's stats.
         """
         h, tapped = self.run_layers(self.embed_tokens(inputs), cache, taps, record_tape)
         hidden = mx.concatenate([tapped[i] for i in taps], axis=-1) if taps else None

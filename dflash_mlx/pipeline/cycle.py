@@ -4,10 +4,12 @@ The last rank runs the one decode protocol (``driver.Driver``, a batch of one, w
 the sampler) on a ``PipelinedTarget``. Each pass of that loop sends a header and its tokens
 to rank 0, which embeds them and runs its layers; every rank hands the header and its output
 (hidden states, then the tapped layers' features so far) to the next; the last rank runs its
-layers and the head. A header is ``[kind, trim, count, tapped, dtype]``: ``trim`` is how many
+layers and the head. A header is ``[kind, trim, count, tapped, dtype, proposed]``: ``trim`` is how many
 tokens of the previous pass every rank drops (the last rank's rollback after acceptance, told
 with the next pass), so each rank's caches hold the committed tokens after every cycle. Rank 0
-also reads the committed tokens from those headers: it is the rank that prints and serves.
+also reads the committed tokens from those headers: it is the rank that prints and serves;
+``proposed`` is how many of a decode pass's tokens the draft proposed (its stats): on a GPU a
+plain step is padded to two rows (``decoder.batch_min_rows``), and the padding is not a draft.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from .link import Link, PeerLost, is_transport_error
 from .stages import Stage
 
 PREFILL, STEP, VERIFY, STOP, ABORT, SHUTDOWN = 1, 2, 3, 4, 5, 6
-HEADER = 5
+HEADER = 6
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 
 
@@ -52,8 +54,9 @@ class Upstream:
         return n
 
 
-def _header(kind: int, trim: int = 0, count: int = 0, tapped: bool = False, dtype=mx.float32) -> List[int]:
-    return [kind, trim, count, int(tapped), DTYPES.index(dtype)]
+def _header(kind: int, trim: int = 0, count: int = 0, tapped: bool = False, dtype=mx.float32,
+            proposed: int = 0) -> List[int]:
+    return [kind, trim, count, int(tapped), DTYPES.index(dtype), proposed]
 
 
 class Pipeline:
@@ -157,7 +160,7 @@ class Pipeline:
         answered, finished = True, False
         try:
             while True:
-                kind, trim, count, tapped, _ = link.ints(last, HEADER)
+                kind, trim, count, tapped, _, proposed = link.ints(last, HEADER)
                 answered = False
                 tokens = link.ints(last, count) if count else []
                 link.watchdog.beat()
@@ -165,7 +168,7 @@ class Pipeline:
                 commit = None
                 if kind in (STEP, VERIFY, STOP):
                     commit = _commit(previous, trim, tokens[0])
-                    previous = (count, tokens)
+                    previous = (count, tokens, proposed)
                 if kind == STOP:
                     link.send_ints(_header(STOP, trim), link.next)
                     answered = finished = True
@@ -197,7 +200,7 @@ class Pipeline:
         with ABORT, or pass on its STOP if it finished meanwhile."""
         link, last = self.link, self.link.size - 1
         if answered:
-            kind, trim, count, _, _ = link.ints(last, HEADER)
+            kind, trim, count, _, _, _ = link.ints(last, HEADER)
             if count:
                 link.ints(last, count)
             if kind == STOP:
@@ -236,7 +239,7 @@ class Pipeline:
 
     def _middle_rank(self) -> bool:
         link = self.link
-        kind, trim, count, tapped, dtype = link.ints(link.prev, HEADER)  # as long as the next request takes
+        kind, trim, count, tapped, dtype, _ = link.ints(link.prev, HEADER)  # as long as the next request takes
         self.cache = self.model.make_cache()
         while True:
             link.watchdog.beat()
@@ -247,7 +250,7 @@ class Pipeline:
             x = link.recv((1, count, self.width_in(bool(tapped))), DTYPES[dtype], link.prev)
             out = self._pass(kind, x, bool(tapped))
             self._forward(_header(kind, trim, count, tapped, out.dtype), out)
-            kind, trim, count, tapped, dtype = link.ints(link.prev, HEADER)
+            kind, trim, count, tapped, dtype, _ = link.ints(link.prev, HEADER)
 
     def _last_rank(self, run) -> bool:
         link = self.link
@@ -272,12 +275,13 @@ class Pipeline:
 
 def _commit(previous, trim: int, next_token: int) -> Commit:
     """What the last decode pass committed, as rank 0 reads it from the next header: the accepted
-    part of what it fed (after the first token) and the next pass's first token."""
+    part of what it fed (after the first token) and the next pass's first token; drafted: what
+    the draft proposed (``proposed``), not the padding after it."""
     if previous is None:
         return Commit([next_token], None)
-    count, tokens = previous
+    count, tokens, proposed = previous
     kept = count - trim
-    return Commit(tokens[1:kept] + [next_token], None, drafted=count - 1, accepted=kept - 1)
+    return Commit(tokens[1:kept] + [next_token], None, drafted=proposed, accepted=kept - 1)
 
 
 class PipelinedTarget:
@@ -295,7 +299,7 @@ class PipelinedTarget:
         return [self.upstream] + self.pipeline.cache
 
     def forward(self, inputs: mx.array, cache: list, taps: Sequence[int] = (), record_tape: bool = False,
-                last_only: bool = False):
+                last_only: bool = False, proposed: Sequence[int] = ()):
         pipeline, link = self.pipeline, self.pipeline.link
         tapped = bool(taps)
         if tapped and list(taps) != pipeline.taps:
@@ -305,10 +309,11 @@ class PipelinedTarget:
         if kind == PREFILL:
             self._prefill_left -= count
         upstream, own = cache[0], cache[1:]
-        link.send_ints(_header(kind, upstream.take(), count, tapped), 0)
+        drafted = proposed[0] if proposed else count - 1  # the decoder says; else every row after the first
+        link.send_ints(_header(kind, upstream.take(), count, tapped, proposed=drafted), 0)
         link.wait(link.send(inputs.reshape(-1).astype(mx.int32), 0))
         link.watchdog.beat()
-        reply, _, _, _, dtype = link.ints(link.prev, HEADER)
+        reply, _, _, _, dtype, _ = link.ints(link.prev, HEADER)
         if reply == ABORT:
             raise Aborted
         x = link.recv((1, count, pipeline.width_in(tapped)), DTYPES[dtype], link.prev)
