@@ -41,6 +41,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
+from .grammar_formats import GemmaValues, UnsupportedSchema
+from .reasoning import GEMMA4, GEMMA4_END, GEMMA4_START, HARMONY, LLAMA3, QWEN, chat_format
 from .sampling import Sampler, categorical
 
 # Compact JSON: a small model writing flexible whitespace can run on in blank lines until max_tokens.
@@ -71,16 +73,25 @@ class Grammars:
     allowed). ``stop_tokens``: the tokens that end an answer, allowed where the grammar is complete.
     ``tool_format``: how the family writes a tool call (``"xml"``: Qwen3.5's ``<function=NAME>``
     with ``<parameter=P>`` blocks, mlx-lm's ``qwen3_coder`` parser; ``"json"``: a JSON object with
-    ``name`` and ``arguments``), between ``tool_call`` (start and end strings). ``overlap``: two
+    ``name`` and ``arguments``), between ``tool_call`` (start and end strings); those are Qwen's.
+    ``family`` (``reasoning.chat_format``) writes the others' answers in their own formats:
+    ``llama3`` (a call is the whole answer, ``{"name", "parameters"}`` JSON, optionally after
+    ``<|python_tag|>``, several separated by ``;``), ``harmony`` (gpt-oss: an optional analysis
+    message, then the final message's text or one call to ``functions.NAME`` with JSON arguments),
+    ``gemma4`` (``<|tool_call>call:NAME{..}<tool_call|>`` in Gemma 4's value syntax,
+    ``grammar_formats``; reasoning between ``think``, its ``<|channel>thought``/``<channel|>``). ``overlap``: two
     masks of each block (its first, while the draft's pass runs; the one after it, while the verify
     pass is queued) are computed on a worker thread (False: every mask on the calling thread, the
     serial path the tests compare it with)."""
 
     def __init__(self, tokenizer, vocab: int, stop_tokens: Sequence[int], tool_format: str = "xml",
                  tool_call: Tuple[str, str] = ("<tool_call>", "</tool_call>"),
-                 think: Tuple[str, str] = ("<think>", "</think>"), overlap: bool = True):
+                 think: Tuple[str, str] = ("<think>", "</think>"), overlap: bool = True, family: str = QWEN):
         if tool_format not in ("xml", "json"):
             raise ValueError(f"tool_format must be 'xml' or 'json', got {tool_format!r}")
+        if family not in (QWEN, LLAMA3, HARMONY, GEMMA4):
+            raise ValueError(f"family must be one of {QWEN}, {LLAMA3}, {HARMONY}, {GEMMA4}; got {family!r}")
+        self.family = family
         self.tokenizer, self.vocab, self.tool_format = tokenizer, int(vocab), tool_format
         self.stop_tokens = sorted(set(int(t) for t in stop_tokens))
         self.tool_call, self.think = tool_call, think
@@ -91,7 +102,7 @@ class Grammars:
     @classmethod
     def for_tokenizer(cls, tokenizer, vocab: int, overlap: bool = True) -> "Grammars":
         """From mlx-lm's ``TokenizerWrapper`` (a Hugging Face fast tokenizer inside): its stop tokens,
-        its tool-call markers, and its tool parser's format."""
+        its tool-call markers, its tool parser's format, and its chat template's family."""
         llg = _llguidance()
         hf = getattr(tokenizer, "_tokenizer", tokenizer)
         backend = getattr(hf, "backend_tokenizer", None)
@@ -103,7 +114,11 @@ class Grammars:
         fmt = "json" if parser.endswith("json_tools") else "xml"
         markers = (getattr(tokenizer, "tool_call_start", None) or "<tool_call>",
                    getattr(tokenizer, "tool_call_end", None) or "</tool_call>")
-        return cls(ll, vocab, stops, fmt, markers, overlap=overlap)
+        family = chat_format(getattr(tokenizer, "chat_template", None) or getattr(hf, "chat_template", None))
+        if family == GEMMA4:
+            return cls(ll, vocab, stops, fmt, ("<|tool_call>", "<tool_call|>"), (GEMMA4_START, GEMMA4_END),
+                       overlap=overlap, family=family)
+        return cls(ll, vocab, stops, fmt, markers, overlap=overlap, family=family)
 
     # -- compiling a request's constraint ------------------------------------------------------
 
@@ -131,8 +146,9 @@ class Grammars:
         "function": {"name", "parameters"}}) or bare functions. ``calls``: ``"none"`` (tools are not
         called), ``"auto"``, ``"required"`` (the answer is tool calls; ``tool_name`` picks the tool).
         ``parallel`` False: one call at most (with ``"auto"`` and no schema: free text, then at
-        most one call). ``reasoning``: see ``_prefix``. The ``*_param`` name the request's parts in
-        errors."""
+        most one call; Llama 3.1: free text that is not a call, or one call; harmony: no
+        constraint, its ``<|call|>`` stop token ends the answer after one). ``reasoning``: see
+        ``_prefix``. The ``*_param`` name the request's parts in errors."""
         if calls not in ("none", "auto", "required"):
             raise ValueError(f"calls must be 'none', 'auto' or 'required', got {calls!r}")
         rules: List[str] = []
@@ -141,14 +157,21 @@ class Grammars:
         calling = bool(tools) and calls != "none"
         if calling:
             rules += self._call_rules(tools, tool_name, tools_param)
-            rules.append("calls: call (/\\s*/ call)*" if parallel else "calls: call")
+            rules.append(self._calls_rule(parallel))
+        if schema is not None and self.family == HARMONY:  # the final message's text
+            rules.append(f"answer_json: {self._literal('<|channel|>final<|message|>')} json")
+        elif schema is not None:
+            rules.append("answer_json: json")
         if calls == "required":
             if not calling:
                 raise GrammarError(f"{tools_param}: forcing a tool call needs at least one tool", tools_param)
             body = "calls"
         elif schema is not None:
-            body = "json | calls" if calling else "json"
-        elif calling and not parallel:
+            body = "answer_json | calls" if calling else "answer_json"
+        elif calling and not parallel and self.family == LLAMA3:  # text that the parser cannot take for a call
+            body = "TEXT | calls"
+            rules.append("TEXT: /\\s*([^\\s{](.|\\n)*)?/")
+        elif calling and not parallel and self.family != HARMONY:
             body = "TEXT calls?"
             rules.append("TEXT: /(.|\\n)*/")
         else:
@@ -167,6 +190,17 @@ class Grammars:
             raise GrammarError(f"{param} must be a JSON object (a JSON schema), got {type(schema).__name__}", param)
         return schema
 
+    def _calls_rule(self, parallel: bool) -> str:
+        """``calls``: the answer's calls, one of them unless ``parallel``, as the family separates them."""
+        if self.family == LLAMA3:  # ``{..}; {..}``, optionally after <|python_tag|>
+            tag = self._literal("<|python_tag|>")
+            return f"calls: ({tag})? call" + (' ((";" | "; ") call)*' if parallel else "")
+        if self.family == HARMONY:  # <|call|> is a stop token: one call per answer
+            return "calls: call"
+        if self.family == GEMMA4:  # blocks one after the other
+            return "calls: call+" if parallel else "calls: call"
+        return "calls: call (/\\s*/ call)*" if parallel else "calls: call"
+
     def _call_rules(self, tools: Sequence[Dict[str, Any]], name: Optional[str], param: str) -> List[str]:
         """``call``: one tool call in the family's format, of one of ``tools`` (or of ``name``)."""
         functions = {}
@@ -181,13 +215,27 @@ class Grammars:
                                    f"({', '.join(functions) or 'none'})", param)
             functions = {name: functions[name]}
         rules = [self._call_rule(f"fn{i}", fn, parameters, param) for i, (fn, parameters) in enumerate(functions.items())]
-        start, end = (self._literal(t) for t in self.tool_call)
-        rules.append(f"call: {start} \"\\n\" ({' | '.join(f'fn{i}' for i in range(len(functions)))}) \"\\n\" {end}")
+        either = f"({' | '.join(f'fn{i}' for i in range(len(functions)))})"
+        if self.family in (LLAMA3, HARMONY):  # the call is the (final) message: fn writes it whole
+            rules.append(f"call: {either}")
+        else:
+            start, end = (self._literal(t) for t in self.tool_call)
+            newline = "" if self.family == GEMMA4 else ' "\\n" '
+            rules.append(f"call: {start}{newline or ' '}{either}{newline or ' '}{end}")
         return rules
 
     def _call_rule(self, rule: str, fn: str, parameters: Any, param: str) -> str:
         if not isinstance(parameters, dict):
             raise GrammarError(f"{param}: the parameters of tool {fn!r} are not a JSON schema object", param)
+        if self.family == LLAMA3:  # what Llama 3.1's template asks for: name, then parameters
+            schema = {"type": "object", "properties": {"name": {"const": fn}, "parameters": parameters},
+                      "required": ["name", "parameters"], "additionalProperties": False}
+            return f"{rule}: %json {_json(schema)}"
+        if self.family == HARMONY:  # <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGS
+            head = self._literal(f"<|channel|>commentary to=functions.{fn} <|constrain|>json<|message|>")
+            return f"{rule}: {head} %json {_json(parameters)}"
+        if self.family == GEMMA4:
+            return self._gemma_call(rule, fn, parameters, param)
         if self.tool_format == "json":
             schema = {"type": "object", "properties": {"name": {"const": fn}, "arguments": parameters},
                       "required": ["name", "arguments"], "additionalProperties": False}
@@ -211,6 +259,23 @@ class Grammars:
         head = json.dumps(f"<function={fn}>\n")
         return "\n".join([f"{rule}: {head} {' '.join(parts)} \"</function>\""] + extra)
 
+    def _gemma_call(self, rule: str, fn: str, parameters: Dict[str, Any], param: str) -> str:
+        """``call:NAME{..}`` with the arguments in Gemma 4's syntax (what mlx-lm's parser reads back:
+        a name of letters, digits, ``_`` and ``-``); a schema feature it cannot write: a 400 naming
+        the tool and the feature."""
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", fn):
+            raise GrammarError(f"{param}: tool name {fn!r} cannot be written in Gemma 4's call syntax "
+                               "(letters, digits, _ and - only)", param)
+        quote = self._literal('<|"|>')
+        values = GemmaValues(rule, quote, quote.startswith("<["), JSON_OPTIONS)
+        try:
+            args = values.value(parameters if parameters.get("type") or parameters.get("properties") else
+                                {**parameters, "type": "object"}, "parameters")
+        except UnsupportedSchema as exc:
+            raise GrammarError(f"{param}: tool {fn!r}: Gemma 4's call syntax cannot express the schema's {exc}",
+                               param) from exc
+        return "\n".join([f"{rule}: {json.dumps('call:' + fn)} {args}"] + values.rules)
+
     @staticmethod
     def _xml_value(schema: Dict[str, Any]) -> Optional[str]:
         """A parameter's value as mlx-lm's qwen3_coder parser reads it back by the schema's type:
@@ -228,21 +293,37 @@ class Grammars:
         return f"%json {_json(schema)}"
 
     def _literal(self, text: str) -> str:
-        """A marker as the grammar writes it: its special token where the tokenizer has one."""
-        ids = self.tokenizer.tokenize_str(text, parse_special=True)
-        if len(ids) == 1 and self.tokenizer.is_special_token(ids[0]):
-            return f"<[{ids[0]}]>"
-        return json.dumps(text)
+        """A marker as the grammar writes it: the special tokens in it as such (``<[id]>``), the
+        text around them as text."""
+        parts, run = [], []
+        for token in self.tokenizer.tokenize_str(text, parse_special=True) + [None]:
+            if token is not None and not self.tokenizer.is_special_token(token):
+                run.append(token)
+                continue
+            if run:
+                parts.append(json.dumps(self.tokenizer.decode_str(run)))
+                run = []
+            if token is not None:
+                parts.append(f"<[{token}]>")
+        return " ".join(parts)
 
     def _prefix(self, reasoning: Optional[str]) -> str:
-        """Reasoning before the constrained answer: ``"opened"`` (the prompt opened ``<think>``:
-        free text, then its end), ``"optional"`` (the model may open a block itself), None: none."""
+        """Reasoning before the constrained answer: ``"opened"`` (the prompt opened the block:
+        free text, then its end), ``"optional"`` (the model may open a block itself), None: none.
+        Harmony: ``"optional"`` is an analysis message before the answer's (the prompt ends with
+        ``<|start|>assistant``)."""
         if reasoning is None:
             return ""
         if reasoning not in ("opened", "optional"):
             raise ValueError(f"reasoning must be None, 'opened' or 'optional', got {reasoning!r}")
+        if self.family == HARMONY:
+            if reasoning == "opened":
+                raise ValueError("harmony's reasoning is an analysis message the model opens: 'optional' or None")
+            start, end = (self._literal(t) for t in ("<|channel|>analysis<|message|>", "<|end|><|start|>assistant"))
+            return f"({start} /(.|\\n)*/ {end})? "
         start, end = (self._literal(t) for t in self.think)
-        thought = f"/(.|\\n)*/ {end} /\\s*/"
+        # Qwen's template puts a blank line after </think>; Gemma 4's answer follows <channel|> at once.
+        thought = f"/(.|\\n)*/ {end}" + ("" if self.family == GEMMA4 else " /\\s*/")
         return f"{thought} " if reasoning == "opened" else f"({start} {thought})? "
 
     def _compile(self, lark: str, param: str) -> "Constraint":

@@ -25,7 +25,7 @@ LAYERS: List[Tuple[str, List]] = [
     ("leaves", ["paths", ("errors", "checkpoint_files"), "quant", "records", "device", "kernels", "sampling",
                 "reasoning", "block_policy"]),
     ("quantized matmuls, caches, the cycle-cost model, text from commits, grammars",
-     [("quantized", "traffic", "splash"), "cache", "responses", "grammar"]),
+     [("quantized", "traffic", "splash"), "cache", "responses", ("grammar", "grammar_formats")]),
     ("models, the prompt cache", ["models", "prompt_cache"]),
     ("the prompt cache's disk tier", ["prompt_store"]),
     ("loading", ["loading"]),

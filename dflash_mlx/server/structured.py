@@ -8,9 +8,10 @@
   ``tool_choice`` ``any`` / ``tool``; ``disable_parallel_tool_use``.
 
 What the grammar engine cannot compile is a 400 naming the request's part. The grammars write
-Qwen's formats (``<think>``, ``<tool_call>``); a family that writes others is refused out loud
-where the grammar would put its answer in the wrong form: gpt-oss's harmony channels for either,
-Llama 3.1's and Gemma 4's tool calls in any grammar (``FAMILY_GRAMMARS``).
+the loaded template's family's own format (``Grammars.family``): Qwen's ``<think>`` and
+``<tool_call>``, Llama 3.1's JSON calls, gpt-oss's harmony channels (the analysis message free, the
+final message or the call constrained), Gemma 4's thought channel and ``<|tool_call>`` blocks (a
+tool schema its call syntax cannot express: a 400 naming the tool and the feature).
 """
 
 from __future__ import annotations
@@ -18,15 +19,27 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 from ..grammar import Constraint, GrammarError
-from ..reasoning import GEMMA4, HARMONY, LLAMA3, START, chat_format, opens_reasoning
+from ..reasoning import GEMMA4, GEMMA4_END, GEMMA4_START, HARMONY, START, chat_format, opens_reasoning
 from .errors import APIError
 
 
 def reasoning_mode(tokenizer, prompt_ids: List[int]) -> Optional[str]:
     """``"opened"`` when the prompt left a ``<think>`` block open (Qwen3.5 thinking): the model
     reasons freely, then the constrained answer follows its end; else None (the answer starts
-    constrained: a model that could open a block itself would reason where the answer belongs)."""
-    if START not in (getattr(tokenizer, "chat_template", None) or ""):
+    constrained: a model that could open a block itself would reason where the answer belongs).
+    gpt-oss: ``"optional"`` (an analysis message may come first, as the model writes it at every
+    effort). Gemma 4: the generation prompt closes an empty thought when thinking is off (None),
+    and opens none when it is on (``<|think|>`` in the system turn): ``"optional"``."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    family = chat_format(template)
+    if family == HARMONY:
+        return "optional"
+    if family == GEMMA4:
+        tail = tokenizer.decode(prompt_ids[-16:])
+        if GEMMA4_START in tail:
+            return "opened" if tail.rfind(GEMMA4_START) > tail.rfind(GEMMA4_END) else None
+        return "optional" if "<|think|>" in tokenizer.decode(prompt_ids[:16]) else None
+    if START not in template:
         return None
     return "opened" if opens_reasoning(tokenizer.decode(prompt_ids[-16:])) else None
 
@@ -57,11 +70,6 @@ def schema_of(fmt: Optional[Dict[str, Any]], param: str, nested: bool) -> Any:
     return schema
 
 
-# What each family's answers may be constrained to here: a JSON answer, tool calls (None: no limit).
-FAMILY_GRAMMARS = {HARMONY: (), LLAMA3: ("schema",), GEMMA4: ("schema",)}
-FAMILY_NAMES = {HARMONY: "gpt-oss's harmony channels", LLAMA3: "Llama 3.1's", GEMMA4: "Gemma 4's"}
-
-
 def constraint(engine, prompt_ids: List[int], schema: Any = None, tools: Optional[List[Dict[str, Any]]] = None,
                calls: str = "auto", tool_name: Optional[str] = None, parallel: bool = True,
                schema_param: str = "response_format", tools_param: str = "tool_choice") -> Optional[Constraint]:
@@ -71,15 +79,6 @@ def constraint(engine, prompt_ids: List[int], schema: Any = None, tools: Optiona
         return None
     if calls == "required" and not tools:
         raise APIError(400, f"{tools_param}: forcing a tool call needs tools", param=tools_param)
-    family = chat_format(getattr(engine.tokenizer, "chat_template", None))
-    allowed = FAMILY_GRAMMARS.get(family)
-    if allowed is not None:
-        if schema is not None and "schema" not in allowed:
-            raise APIError(400, f"{schema_param}: structured outputs are not supported for {FAMILY_NAMES[family]} "
-                           "answer format yet", param=schema_param)
-        if tools:  # a grammar with tools writes Qwen's calls
-            raise APIError(400, f"{tools_param}: forced or single tool calls (or a format beside tools) are not "
-                           f"supported for {FAMILY_NAMES[family]} tool-call format yet", param=tools_param)
     if getattr(engine, "scheduler", None) is None:
         raise APIError(400, f"{schema_param if schema is not None else tools_param}: structured outputs and forced "
                        "tool calls need the batched engine (a pipelined target runs without it)",
