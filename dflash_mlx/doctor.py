@@ -434,15 +434,29 @@ def _tuning_summary(report: Report, exact: bool, where: str, fix: str) -> None:
     layers = report.tuning_layers
     exacts = [t for t in report.tuning if t.is_exact]
     count = {impl: sum(layers.get(t.shape, 1) for t in exacts if t.choice == impl)
-             for impl in (quantized.OURS, quantized.TILE, quantized.STOCK)}
+             for impl in (quantized.OURS, quantized.TILE, quantized.SPLASH, quantized.STOCK)}
     fastest = sum(layers.get(t.shape, 1) for t in report.tuning if not t.is_exact)
+    # The Splash kernel is named where some layer runs it (exact, or as the fastest at some row count).
+    splash_fastest = sum(layers.get(t.shape, 1) for t in report.tuning
+                         if isinstance(t.choice, quantized.Fastest) and quantized.SPLASH in t.choice.impls())
+    splash = (f", {count[quantized.SPLASH]} the Splash kernel" if count[quantized.SPLASH] or splash_fastest else "")
+    untimed = sum(t.splash_s == {} for t in report.tuning)  # cached before the Splash kernel had a column
+    # The Splash kernel failing is not a failure of the pair: it is only offered where it passes, and
+    # its 16-bit simdgroup matrices have not been compiled on a Mac yet (the other kernels run).
+    splash_failed = sum(t.splash_s is None for t in report.tuning)
     failed = [t for t in report.tuning if t.kernel_s is None or t.tile_s is None]
     report.add("quantized matmuls", FAIL if failed else OK,
                f"of {sum(layers.get(t.shape, 1) for t in report.tuning)} layers ({len(report.tuning)} shapes), "
-               f"{count[quantized.OURS]} run the per-row verify kernel, {count[quantized.TILE]} the tile kernel and "
+               f"{count[quantized.OURS]} run the per-row verify kernel, {count[quantized.TILE]} the tile kernel{splash} and "
                f"{count[quantized.STOCK]} stock, each one kernel at every row count (exact), {fastest} the fastest at "
-               f"each row count (not exact: divergence only at the target's top-2 near-ties, `bench` reports them); "
-               f"layers with a kernel run uncompiled; {where}"
+               f"each row count (not exact: divergence only at the target's top-2 near-ties, `bench` reports them"
+               + (f"; {splash_fastest} of them the Splash kernel at some row counts" if splash_fastest else "")
+               + f"); layers with a kernel run uncompiled; {where}"
+               + (f"; the Splash kernel not timed for {untimed} of the {len(report.tuning)} shapes (timings from before "
+                  f"it: `--tune` times it)"
+                  if untimed else "")
+               + (f"; the Splash kernel failed its self-check for {splash_failed} shapes (not offered there)"
+                  if splash_failed else "")
                + (f"; a kernel failed its self-check for {len(failed)}" if failed else ""),
                fix if failed else "")
     cost = quantized.exactness_cost(report.tuning, layers)
@@ -647,7 +661,8 @@ def as_json(report: Report) -> Dict[str, Any]:
     from .quantized import per_rows_us
 
     tuning = [{"shape": t.shape.__dict__, "stock_us": per_rows_us(t.stock_s), "kernel_us": per_rows_us(t.kernel_s),
-               "tile_us": per_rows_us(t.tile_s), "stock_one_kernel": t.stock_one, "exact_choice": t.exact_choice,
+               "tile_us": per_rows_us(t.tile_s), "splash_us": per_rows_us(t.splash_s or None),
+               "stock_one_kernel": t.stock_one, "exact_choice": t.exact_choice,
                "exactness_cost": t.exactness_cost, "choice": str(t.choice), "exact": t.is_exact,
                "layers": report.tuning_layers.get(t.shape)}
               for t in report.tuning]

@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-KERNEL_NAMES = ("gated_delta_tape", "tape_replay")  # the recurrence's; quantized.py runs quantized_verify(_tile)
+KERNEL_NAMES = ("gated_delta_tape", "tape_replay")  # the recurrence's; quantized.py runs quantized_verify(_tile, _splash)
 # mlx-lm's own Gated DeltaNet kernel (its generic `gated_delta_step` body, taken from mlx-lm at run
 # time): the fallback of gated_delta_tape, without a tape (a rollback recomputes the kept steps).
 MLX_LM_KERNEL = "mlx_lm_gated_delta"
@@ -46,7 +46,7 @@ KERNEL_IO = {
     "tape_replay": (("state_in", "k", "g", "delta", "T", "steps"), ("state_out",)),
     "quantized_verify": (("x", "w", "scales", "biases", "M", "K", "N"), ("y",)),
     "quantized_verify_tile": (("x", "w", "scales", "biases", "M", "K", "N"), ("y",)),
-    "quantized_verify_splash": (("x", "w", "scales", "biases", "M", "K", "N"), ("y",)),  # splash.py; not routed
+    "quantized_verify_splash": (("x", "w", "scales", "biases", "M", "K", "N"), ("y",)),
     MLX_LM_KERNEL: (("q", "k", "v", "g", "beta", "state_in", "T"), ("y", "state_out")),
 }
 THREADGROUP = (32, 4, 1)  # one simdgroup per value row, four rows of one head per threadgroup
@@ -301,7 +301,8 @@ FALLBACKS = {
     "tape_replay": "the pure-MLX replay",
     "quantized_verify": "MLX's stock quantized_matmul (for every row count of the layers of this form)",
     "quantized_verify_tile": "MLX's stock quantized_matmul (for every row count of the layers of this form)",
-    "quantized_verify_splash": "MLX's stock quantized_matmul (for every row count of the layers of this form)",
+    "quantized_verify_splash": "the tuner's next choice where it is timing (the per-row kernel, the tile or stock), else "
+                               "MLX's stock quantized_matmul (for every row count of the layers of this form)",
     MLX_LM_KERNEL: "the pure-MLX recurrence",
 }
 

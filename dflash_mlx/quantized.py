@@ -4,11 +4,13 @@ On an Apple GPU a decode step is bound by reading the weights; a verify pass of 
 should cost about the same. MLX's stock ``quantized_matmul`` re-reads the weights per row or per
 5 rows below its ``qmv`` batch limit and switches to 32-row tiles above it (``docs/kernels.md``
 has the numbers), and it switches kernels with M, so a decode step and a verify row sum in
-different orders. Two kernels of ours read each weight once per call in an order that does not
+different orders. Three kernels of ours read each weight once per call in an order that does not
 depend on M: ``metal/quantized_verify.metal`` keeps one accumulator per row,
 ``metal/quantized_verify_tile.metal`` dequantizes a tile once and multiplies every row (padded to
-8 or 16) through simdgroup matrices. A row of a verify pass is bit for bit that token's decode
-step when both go through the same kernel (the tile's under assumption H, ``docs/kernels.md``).
+8 or 16) through float simdgroup matrices, ``metal/quantized_verify_splash.metal`` does the same in
+16-bit simdgroup matrices with the scales applied per group (``splash.py``: its cost model). A row
+of a verify pass is bit for bit that token's decode step when both go through the same kernel (the
+tiles' under assumption H, ``docs/kernels.md``).
 
 Three pieces: the kernels' launch and their pure-MLX reference (``quantized_verify_reference``);
 the choice per shape of one implementation for every row count where that costs at most
@@ -25,7 +27,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional
 
@@ -44,15 +46,19 @@ TILE_COLUMNS = 32  # output columns per threadgroup of the tile kernel (8 per si
 THREADGROUP = (32, 4, 1)  # four simdgroups share each staged slice of x (both kernels)
 KERNEL = "quantized_verify"
 TILE_KERNEL = "quantized_verify_tile"
+SPLASH_KERNEL = "quantized_verify_splash"
+SPLASH_ROWS = (8, 16)  # the Splash kernel's rows: one or two 8-row tiles, padded with zeros
+# The Splash kernel's simdgroup-matrix element type code per activation dtype (its template `Mat`).
+MATRIX_TYPE = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}
 MODES = {"affine": 0, "mxfp4": 1}
 KERNEL_BITS = {"affine": (4, 8), "mxfp4": (4,)}
 KERNEL_GROUPS = {"affine": (32, 64, 128), "mxfp4": (32,)}
 # The implementations a layer can run (one for every row count 1..16): MLX's stock
-# quantized_matmul, the per-row kernel, the simdgroup-matrix tile kernel.
-STOCK, OURS, TILE = "stock", "kernel", "tile"
-KERNEL_OF = {OURS: KERNEL, TILE: TILE_KERNEL}
+# quantized_matmul, the per-row kernel, the simdgroup-matrix tile kernel, the Splash-style kernel.
+STOCK, OURS, TILE, SPLASH = "stock", "kernel", "tile", "splash"
+KERNEL_OF = {OURS: KERNEL, TILE: TILE_KERNEL, SPLASH: SPLASH_KERNEL}  # in this order on a tie of timings
 IMPLEMENTATION_OF = {name: impl for impl, name in KERNEL_OF.items()}
-BUCKETS = {OURS: ROW_BUCKETS, TILE: TILE_ROWS}
+BUCKETS = {OURS: ROW_BUCKETS, TILE: TILE_ROWS, SPLASH: SPLASH_ROWS}
 
 
 def rows_bucket(rows: int, impl: str = OURS) -> int:
@@ -71,21 +77,26 @@ def quantized_verify_launch(x: mx.array, w: mx.array, scales: mx.array, biases: 
                             group_size: int, bits: int, mode: str = "affine",
                             rows: Optional[int] = None, impl: str = OURS) -> kernels.Launch:
     """One call for ``x`` [M, K] (M <= 16) against packed ``w`` [N, K*bits/32], through the
-    per-row kernel (``impl`` OURS) or the tile kernel (TILE). ``rows`` forces the accumulator
-    count, or the padded rows of the tile (tests: a row's result may not depend on it)."""
+    per-row kernel (``impl`` OURS), the tile kernel (TILE) or the Splash kernel (SPLASH). ``rows``
+    forces the accumulator count, or the padded rows of a tile (tests: a row's result may not
+    depend on it)."""
     M, K = x.shape
     N = w.shape[0]
     if not kernel_supports(bits, group_size, mode):
         raise ValueError(f"the verify kernel has no {mode} {bits}-bit group-{group_size} form")
     if K % group_size or w.shape[1] * 32 // bits != K:
         raise ValueError(f"weights [{N}, {w.shape[1]}] at {bits} bits do not hold K={K} in groups of {group_size}")
+    if impl == SPLASH and x.dtype not in MATRIX_TYPE:
+        raise ValueError(f"the Splash kernel takes float16, bfloat16 or float32 activations (got {x.dtype})")
     if biases is None:  # mxfp4 has none; one placeholder element keeps a single signature
         biases = mx.zeros((1,), dtype=mx.float32)
     bucket = rows or rows_bucket(M, impl)
     if not M <= bucket <= MAX_ROWS or bucket not in BUCKETS[impl]:
         raise ValueError(f"rows={bucket} cannot hold M={M} in the {impl} (rows {BUCKETS[impl]}, at most {MAX_ROWS})")
     template = (("OutT", x.dtype), ("Rows", bucket), ("bits", bits), ("group_size", group_size), ("Mode", MODES[mode]))
-    # per-row: one simdgroup per 4 columns; tile: four simdgroups per 32 columns, whole threadgroups
+    if impl == SPLASH:  # the simdgroup matrices in the activations' type
+        template = template[:1] + (("MatT", x.dtype), ("Mat", MATRIX_TYPE[x.dtype])) + template[1:]
+    # per-row: one simdgroup per 4 columns; the tiles: four simdgroups per 32 columns, whole threadgroups
     grid = (32, -(-N // COLUMNS), 1) if impl == OURS else (32, 4 * -(-N // TILE_COLUMNS), 1)
     return kernels.Launch(
         KERNEL_OF[impl], (x, w, scales, biases, M, K, N), template,
@@ -132,7 +143,8 @@ def _check_quantized(metal: kernels.MetalKernels, launch: kernels.Launch) -> Opt
     every row within float tolerance of the reference; and on cancelling rows
     (``cancelling_layer``), the last row bit for bit the same row computed alone (a one-row call:
     one accumulator, or the tile padded from one row), which is what keeps verify equal to decode.
-    For either kernel (the launch's name says which)."""
+    For the per-row and the tile kernel (the launch's name says which); the Splash kernel has its own
+    (``check_splash``)."""
     impl = IMPLEMENTATION_OF[launch.name]
     template = dict(launch.template)
     dtype, rows, bits, group_size = template["OutT"], template["Rows"], template["bits"], template["group_size"]
@@ -157,6 +169,41 @@ def _check_quantized(metal: kernels.MetalKernels, launch: kernels.Launch) -> Opt
         if not mx.array_equal(alone[0], y[-1]).item():
             return f"row {rows - 1} of a {rows}-row call differs from the same row computed alone"
     return None
+
+
+def check_splash(metal: kernels.MetalKernels, launch: kernels.Launch) -> Optional[str]:
+    """The Splash kernel's self-check (``MetalKernels.usable(launch, check_splash)``, run by
+    ``form_usable``), as ``_check_quantized`` for the other two but on a layer of 41 columns (a full
+    threadgroup of 32 and a partial one): every row within float tolerance of the reference; on
+    cancelling rows, the last row bit for bit the same row computed alone (one row padded to 8).
+    None if it passes, else what differs."""
+    template = dict(launch.template)
+    dtype, rows, bits, group_size = template["OutT"], template["Rows"], template["bits"], template["group_size"]
+    mode = next(m for m, code in MODES.items() if code == template["Mode"])
+    scale_dtype = getattr(mx, launch.signature[2][0]) if mode == "affine" else dtype
+    seed = rows * 1000 + bits * 10 + group_size
+    for K, N in ((256, 41), (launch.inputs[5], launch.inputs[6])):
+        x, cancelling, w, scales, bias = cancelling_layer(rows, K, N, bits, group_size, mode, dtype, seed, scale_dtype)
+        call = quantized_verify_launch(x, w, scales, bias, group_size, bits, mode, rows=rows, impl=SPLASH)
+        if call.signature == launch.signature:
+            break
+    else:
+        return "its self-check cannot make a call of this signature"
+    (y,) = metal.run(call)
+    want = quantized_verify_reference(x, w, scales, bias, group_size, bits, mode)
+    tolerance = {mx.float32: 1e-4, mx.float16: 4e-3, mx.bfloat16: 3e-2}[dtype]
+    if not mx.allclose(y.astype(mx.float32), want.astype(mx.float32), atol=tolerance * K ** 0.5, rtol=tolerance).item():
+        return f"its output differs from the reference (M={rows}, K={K}, N={N})"
+    (together,) = metal.run(quantized_verify_launch(cancelling, w, scales, bias, group_size, bits, mode, rows=rows,
+                                                    impl=SPLASH))
+    (alone,) = metal.run(quantized_verify_launch(cancelling[-1:], w, scales, bias, group_size, bits, mode, impl=SPLASH))
+    if not mx.array_equal(alone[0], together[-1]).item():
+        return f"row {rows - 1} of a {rows}-row call differs from the same row computed alone"
+    return None
+
+
+# Each kernel's self-check (``form_usable`` runs it through ``MetalKernels.usable`` on first use).
+CHECK_OF = {OURS: _check_quantized, TILE: _check_quantized, SPLASH: check_splash}
 
 
 @dataclass(frozen=True)
@@ -184,12 +231,13 @@ def form_usable(metal: kernels.MetalKernels, dtype: mx.Dtype, w: mx.array, scale
                 group_size: int, bits: int, mode: str, impl: str = OURS) -> bool:
     """Whether ``impl``'s kernel may run this layer (its arrays, activations of ``dtype``) at
     every row count: each of its specializations (the per-row kernel's accumulator counts 1, 2, 4,
-    8, 16; the tile's 8 and 16 rows) passed its self-check in the signature the layer's calls have.
-    One failing makes the layer stock at every row count, so that no layer runs a kernel at some
-    row counts and stock at others."""
+    8, 16; the tiles' 8 and 16 rows) passed its self-check (``CHECK_OF``) in the signature the
+    layer's calls have. One failing makes the layer stock at every row count, so that no layer runs
+    a kernel at some row counts and stock at others (the tuner, which asks this first, times and
+    offers only the kernels that pass)."""
     K = w.shape[1] * 32 // bits
     return all(metal.usable(quantized_verify_launch(mx.zeros((rows, K), dtype=dtype), w, scales, biases, group_size, bits,
-                                                    mode, impl=impl), _check_quantized) for rows in BUCKETS[impl])
+                                                    mode, impl=impl), CHECK_OF[impl]) for rows in BUCKETS[impl])
 
 
 class _Choices(dict):
@@ -239,8 +287,8 @@ class _Choices(dict):
 
 class MatmulPlan:
     """What every call of one routed layer with activations of one dtype and shape needs, decided
-    once (``QuantizedMatmuls.plan``): the implementation (``impl``: the per-row kernel, the tile, or
-    None for stock), the kernel's launch less x (``launch``: template, grid, output shape,
+    once (``QuantizedMatmuls.plan``): the implementation (``impl``: the per-row kernel, the tile, the
+    Splash kernel, or None for stock), the kernel's launch less x (``launch``: template, grid, output shape,
     signature and so the kernel object, ``kernels.LaunchPlan``), the biases input where the layer
     has none. It stays valid while its ``QuantizedMatmuls`` keeps the same choices and no
     self-check has failed since: a failure anywhere can make the specialization
@@ -267,7 +315,7 @@ class MatmulPlan:
 
 class QuantizedMatmuls:
     """Which implementation each quantized layer shape uses in this process: one for every row
-    count 1..16 (``kernel``, per-row, or ``tile`` where the tuner chose it, ``Timing.choice``, or
+    count 1..16 (``kernel``, per-row, or ``tile`` or ``splash`` where the tuner chose it, ``Timing.choice``, or
     ``choices`` say so), or where exactness cost more than ``EXACT_BUDGET`` and not ``exact``, the
     fastest at each row count (``Fastest``); stock everywhere else (shapes and modes the kernels
     have no form for, forms that failed a self-check). Calls of more than 16 rows (prefill chunks)
@@ -318,7 +366,7 @@ class QuantizedMatmuls:
              always: bool = False) -> MatmulPlan:
         """The decision for calls with ``dtype`` activations of ``shape`` [.., K] against these
         arrays: the implementation the choices give the layer's shape (``always``: a kernel whatever
-        the tuner measured, the per-row one unless the tile was chosen), stock where it has no form
+        the tuner measured, the per-row one unless another was chosen), stock where it has no form
         or has not passed its self-checks at every row count (``form_usable``, which runs them on
         first use), and the kernel's launch."""
         self.plans += 1
@@ -344,7 +392,7 @@ class QuantizedMatmuls:
     def matmul(self, x: mx.array, w, scales, biases, group_size: int, bits: int, mode: str,
                always: bool = False) -> Optional[mx.array]:
         """``x @ dequant(w).T`` through the layer's kernel, or None where stock should run
-        (``always``: a kernel whatever the tuner measured, the per-row one unless the tile was
+        (``always``: a kernel whatever the tuner measured, the per-row one unless another was
         chosen, wherever it has a form and passed its self-checks). Decides afresh at every call:
         the routed layers keep their decisions (``_Routed``)."""
         K = x.shape[-1]
@@ -507,7 +555,7 @@ MARGIN = 0.05
 
 
 def batch_time(which: str, fn: Callable[[], mx.array], calls: int = 16, repeats: int = 5, warmup: int = 2) -> float:
-    """Seconds per call of ``fn`` (``which``: "stock", "kernel" or "tile"), from batches of ``calls`` calls
+    """Seconds per call of ``fn`` (``which``: "stock", "kernel", "tile" or "splash"), from batches of ``calls`` calls
     evaluated together: each call's CPU cost (a kernel dispatched from Python) counts, one
     synchronisation's round trip is shared by the batch. The median batch of ``repeats``."""
     for _ in range(warmup):
@@ -576,18 +624,24 @@ class Timing:
     # block differently.
     stock_one: Optional[str] = None
     exact: bool = False  # --exact: one implementation for every row count, whatever it costs
+    # The Splash kernel; None: it failed a self-check; empty: not timed (an entry cached before it had
+    # a column, or timed on another Splash source), so not offered. Last: positional callers unchanged.
+    splash_s: Optional[Dict[int, float]] = field(default_factory=dict)
 
     def _times(self) -> Dict[str, Dict[int, float]]:
-        return {impl: times for impl, times in ((STOCK, self.stock_s), (OURS, self.kernel_s), (TILE, self.tile_s))
-                if times}
+        return {impl: times for impl, times in ((STOCK, self.stock_s), *self._ours()) if times}
+
+    def _ours(self):
+        """(implementation, times) of our kernels, in ``KERNEL_OF``'s order (the first wins a tie)."""
+        return (OURS, self.kernel_s), (TILE, self.tile_s), (SPLASH, self.splash_s)
 
     @property
     def exact_choice(self) -> str:
-        """The one implementation for every row count: the faster of our kernels over the timed
-        row counts (the per-row one on a tie); stock where no kernel of ours passed its
-        self-checks, or where stock is one row-independent kernel at every row count and ours is
+        """The one implementation for every row count: the fastest of our kernels over the timed
+        row counts (the per-row one, then the tile, on a tie); stock where no kernel of ours passed
+        its self-checks, or where stock is one row-independent kernel at every row count and ours is
         not ``MARGIN`` faster."""
-        ours = {impl: sum(times.values()) for impl, times in ((OURS, self.kernel_s), (TILE, self.tile_s)) if times}
+        ours = {impl: sum(times.values()) for impl, times in self._ours() if times}
         if not ours:
             return STOCK
         best = min(ours, key=ours.get)
@@ -639,13 +693,17 @@ class Timing:
         return choice in KERNEL_OF or (choice == STOCK and self.stock_one is not None)
 
     @classmethod
-    def from_entry(cls, entry: dict, exact: bool = False) -> "Timing":
-        """A cached entry (``TuningCache.record``) back as a Timing."""
+    def from_entry(cls, entry: dict, exact: bool = False, splash_source: Optional[str] = None) -> "Timing":
+        """A cached entry (``TuningCache.record``) back as a Timing. Its Splash column counts only
+        where it was timed on ``splash_source`` (the shipped source's hash, ``source_hash``): an
+        entry from before the column, or from another Splash source, has none (not offered)."""
         def seconds(times):
             return None if times is None else {int(m): us / 1e6 for m, us in times.items()}
 
+        timed = "splash_us" in entry and entry.get("splash_source") == splash_source
         return cls(MatmulShape(**entry["shape"]), seconds(entry["stock_us"]), seconds(entry["kernel_us"]),
-                   seconds(entry.get("tile_us")), entry.get("stock_one_kernel"), exact)
+                   seconds(entry.get("tile_us")), entry.get("stock_one_kernel"), exact,
+                   seconds(entry["splash_us"]) if timed else {})
 
 
 def _arrays(layer: nn.Module):
@@ -670,11 +728,13 @@ def stock_rule(facts=None, mlx_version: Optional[str] = None) -> Callable[[Matmu
 def tune(metal: kernels.MetalKernels, layers, measure: Callable[[str, Callable[[], mx.array]], float] = batch_time,
          progress: Optional[Callable[[int, int], None]] = None, rows: Iterable[int] = TUNED_ROWS,
          stock_one: Optional[Callable[[MatmulShape], Optional[str]]] = None, exact: bool = False) -> List[Timing]:
-    """Times stock ``mx.quantized_matmul``, the per-row kernel and the tile kernel for each shape
-    at each of ``rows``, on the layer's own weights (``layers``: shape -> layer, as ``layers_of``
-    gives; x is random), and decides per shape (``Timing.choice``: one implementation for every
-    row count where exactness costs at most ``EXACT_BUDGET`` or ``exact``, else the fastest at each;
-    ``stock_one`` says where stock is one row-independent kernel, this GPU's rule by default)."""
+    """Times stock ``mx.quantized_matmul``, the per-row kernel, the tile kernel and the Splash
+    kernel (each only where its self-checks pass, ``form_usable``: a kernel that fails one is not
+    timed, so the layer takes the next) for each shape at each of ``rows``, on the layer's own
+    weights (``layers``: shape -> layer, as ``layers_of`` gives; x is random), and decides per shape
+    (``Timing.choice``: one implementation for every row count where exactness costs at most
+    ``EXACT_BUDGET`` or ``exact``, else the fastest at each; ``stock_one`` says where stock is one
+    row-independent kernel, this GPU's rule by default)."""
     layers = dict(layers)
     rows = list(rows)
     stock_one = stock_one or stock_rule()
@@ -694,19 +754,25 @@ def tune(metal: kernels.MetalKernels, layers, measure: Callable[[str, Callable[[
                 if times[impl] is not None:
                     launch = quantized_verify_launch(x, w, scales, biases, shape.group_size, shape.bits, shape.mode, impl=impl)
                     times[impl][M] = measure(impl, lambda: metal.run(launch)[0])
-        timings.append(Timing(shape, times[STOCK], times[OURS], times[TILE], stock_one(shape), exact))
+        timings.append(Timing(shape, times[STOCK], times[OURS], times[TILE], stock_one(shape), exact, times[SPLASH]))
         if progress is not None:
             progress(i + 1, len(layers))
     return timings
 
 
+def source_hash(name: str) -> str:
+    """A kernel's shipped source, as the tuning cache keys timings by it."""
+    return hashlib.sha256(kernels.kernel_source(name).encode()).hexdigest()[:12]
+
+
 def device_id() -> str:
-    """What a timing is valid for: the GPU, MLX's version and the kernel's source."""
+    """What a timing is valid for: the GPU, MLX's version and the per-row and tile kernels' sources.
+    The Splash kernel's source is keyed per entry instead (``TuningCache``), so that timings saved
+    before it was timed still load."""
     from . import device
 
     facts = device.facts()
-    sources = " | ".join(f"{name} {hashlib.sha256(kernels.kernel_source(name).encode()).hexdigest()[:12]}"
-                         for name in KERNEL_OF.values())
+    sources = " | ".join(f"{name} {source_hash(name)}" for name in (KERNEL, TILE_KERNEL))
     return f"{facts.name} | {facts.architecture} | mlx {mx.__version__} | {sources}"
 
 
@@ -715,10 +781,15 @@ def per_rows_us(times: Optional[Dict[int, float]]) -> Optional[Dict[str, float]]
 
 
 class TuningCache:
-    """Measured choices per device, in ``$DFLASH_MLX_HOME/tuning.json`` (written whole, atomically)."""
+    """Measured choices per device, in ``$DFLASH_MLX_HOME/tuning.json`` (written whole, atomically).
+    An entry's Splash column carries the hash of the Splash source it was timed on
+    (``splash_source``): entries saved before the column load as they were, deciding among stock,
+    the per-row kernel and the tile (``doctor --tune`` times them again with it); an entry timed on
+    another Splash source is timed again (``missing``)."""
 
     def __init__(self, path: Path, device: str):
         self.path, self.device = path, device
+        self.splash_source = source_hash(SPLASH_KERNEL)
         self.entries: Dict[str, dict] = {}
         try:
             self.entries = json.loads(path.read_text()).get(device, {})
@@ -731,7 +802,9 @@ class TuningCache:
 
     def missing(self, shapes: Iterable[MatmulShape]) -> List[MatmulShape]:
         choices = self.choices()
-        return [s for s in shapes if s not in choices]
+        stale = {key for key, e in self.entries.items()
+                 if isinstance(e, dict) and "splash_source" in e and e["splash_source"] != self.splash_source}
+        return [s for s in shapes if s not in choices or s.key() in stale]
 
     def record(self, timings: Iterable[Timing]) -> None:
         for t in timings:
@@ -739,6 +812,8 @@ class TuningCache:
                                            "kernel_us": per_rows_us(t.kernel_s), "tile_us": per_rows_us(t.tile_s),
                                            "stock_one_kernel": t.stock_one, "exact_choice": t.exact_choice,
                                            "exactness_cost": t.exactness_cost, "choice": str(t.choice)}
+            if t.splash_s != {}:  # timed (or failed its self-check) here, on the shipped Splash source
+                self.entries[t.shape.key()].update(splash_us=per_rows_us(t.splash_s), splash_source=self.splash_source)
         try:
             everything = json.loads(self.path.read_text())
         except (OSError, ValueError):
@@ -755,7 +830,7 @@ class TuningCache:
         out = []
         for entry in self.entries.values():
             try:
-                out.append(Timing.from_entry(entry, exact))
+                out.append(Timing.from_entry(entry, exact, self.splash_source))
             except (KeyError, TypeError, AttributeError, ValueError):
                 continue
         return out
@@ -812,18 +887,19 @@ def exactness_cost(timings: Iterable[Timing], counts: Optional[Dict[MatmulShape,
 
 def render_timings(timings: Iterable[Timing], counts: Optional[Dict[MatmulShape, int]] = None) -> List[str]:
     """The tuner's table: one line per shape (with its layer count where ``counts`` gives it),
-    stock / per-row kernel / tile microseconds per call at each timed row count, whether stock is
-    one row-independent kernel here, what exactness costs (``Timing.exactness_cost``) and what the
-    layers run (``Timing.choice``; "exact": the same bits at every row count)."""
+    stock / per-row kernel / tile / Splash microseconds per call at each timed row count ("failed":
+    its self-check failed; "-": not timed), whether stock is one row-independent kernel here, what
+    exactness costs (``Timing.exactness_cost``) and what the layers run (``Timing.choice``; "exact":
+    the same bits at every row count)."""
     timings = list(timings)
     rows = sorted({m for t in timings for m in t.stock_s})
-    lines = [f"{'shape':<36} {'layers':>6} " + " ".join(f"{'M=' + str(m) + ' stock/kernel/tile':>26}" for m in rows)
+    lines = [f"{'shape':<36} {'layers':>6} " + " ".join(f"{f'M={m} stock/kernel/tile/splash':>34}" for m in rows)
              + "  stock one kernel  exact costs  runs"]
     for t in timings:
         cells = []
         for m in rows:
-            kernel, tile = ("failed" if times is None else f"{times[m] * 1e6:.1f}" for times in (t.kernel_s, t.tile_s))
-            cells.append(f"{t.stock_s[m] * 1e6:.1f}/{kernel}/{tile}".rjust(26))
+            ours = ("failed" if times is None else f"{times[m] * 1e6:.1f}" if times else "-" for _, times in t._ours())
+            cells.append("/".join((f"{t.stock_s[m] * 1e6:.1f}", *ours)).rjust(34))
         layers = str((counts or {}).get(t.shape, "")) if counts else "-"
         runs = f"{t.choice} ({'exact' if t.is_exact else 'not exact'})"
         lines.append(f"{t.shape.key():<36} {layers:>6} " + " ".join(cells)

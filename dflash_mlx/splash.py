@@ -2,9 +2,12 @@
 bit construction straight into the activations' 16-bit type, simdgroup matrices of that type
 accumulating in float32, each group's scale and bias applied once per group from row sums.
 
-Not routed: no layer runs it and the tuner does not time it (``quantized.KERNEL_OF`` does not name
-it). It is here, with its emulator tests, so that a Mac can measure it against the per-row and the
-float tile kernels before the routing offers it (docs/kernels.md, "The Splash-style kernel").
+Routed as ``quantized.SPLASH``: its launch and self-check live in ``quantized`` (which runs every
+verify kernel: ``splash_launch`` and ``check_splash`` here are those), the tuner times it beside
+the per-row kernel, the float tile and stock, and a layer runs it only where it measured fastest
+and passed its self-check. Here: its cost in ``traffic``'s model (docs/kernels.md, "The
+Splash-style kernel"), which says it is faster only if 16-bit simdgroup matrices run faster than
+float ones, something only a Mac's timings can say.
 """
 
 from __future__ import annotations
@@ -15,67 +18,19 @@ import mlx.core as mx
 
 from . import kernels, quantized, traffic
 
-SPLASH_KERNEL = "quantized_verify_splash"
-SPLASH_ROWS = (8, 16)  # one or two 8-row simdgroup-matrix tiles, padded with zeros
-SPLASH_COLUMNS = 32  # output columns per threadgroup (8 per simdgroup)
-# The simdgroup matrices' element type code per activation dtype (the body's template `Mat`).
-MATRIX_TYPE = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}
+SPLASH_KERNEL = quantized.SPLASH_KERNEL
+SPLASH_ROWS = quantized.SPLASH_ROWS  # one or two 8-row simdgroup-matrix tiles, padded with zeros
+SPLASH_COLUMNS = quantized.TILE_COLUMNS  # output columns per threadgroup (8 per simdgroup), as the float tile's
+MATRIX_TYPE = quantized.MATRIX_TYPE  # the simdgroup matrices' element type code per activation dtype (`Mat`)
+check_splash = quantized.check_splash  # its self-check, as form_usable runs it
 
 
 def splash_launch(x: mx.array, w: mx.array, scales: mx.array, biases: Optional[mx.array], group_size: int, bits: int,
                   mode: str = "affine", rows: Optional[int] = None) -> kernels.Launch:
     """One call for ``x`` [M, K] (M <= 16) against packed ``w`` [N, K*bits/32]; the forms of
     ``quantized.kernel_supports``. ``rows`` forces the padded rows (8 or 16; tests: a row's result
-    may not depend on it)."""
-    M, K = x.shape
-    N = w.shape[0]
-    if not quantized.kernel_supports(bits, group_size, mode):
-        raise ValueError(f"the Splash kernel has no {mode} {bits}-bit group-{group_size} form")
-    if x.dtype not in MATRIX_TYPE:
-        raise ValueError(f"the Splash kernel takes float16, bfloat16 or float32 activations (got {x.dtype})")
-    if K % group_size or w.shape[1] * 32 // bits != K:
-        raise ValueError(f"weights [{N}, {w.shape[1]}] at {bits} bits do not hold K={K} in groups of {group_size}")
-    if biases is None:  # mxfp4 has none; one placeholder element keeps a single signature
-        biases = mx.zeros((1,), dtype=mx.float32)
-    bucket = rows or next((r for r in SPLASH_ROWS if M <= r), None)
-    if bucket is None or bucket not in SPLASH_ROWS or M > bucket:
-        raise ValueError(f"rows={rows or bucket} cannot hold M={M} in the Splash kernel (rows {SPLASH_ROWS}, at most 16)")
-    template = (("OutT", x.dtype), ("MatT", x.dtype), ("Mat", MATRIX_TYPE[x.dtype]), ("Rows", bucket), ("bits", bits),
-                ("group_size", group_size), ("Mode", quantized.MODES[mode]))
-    return kernels.Launch(SPLASH_KERNEL, (x, w, scales, biases, M, K, N), template,
-                          grid=(32, 4 * -(-N // SPLASH_COLUMNS), 1), output_shapes=((M, N),), output_dtypes=(x.dtype,),
-                          threadgroup=quantized.THREADGROUP)
-
-
-def check_splash(metal: kernels.MetalKernels, launch: kernels.Launch) -> Optional[str]:
-    """The self-check a routing would run on first use (``MetalKernels.usable(launch, check_splash)``),
-    as ``quantized._check_quantized`` for the other two: on a small random layer of the launch's
-    specialization and signature, every row within float tolerance of the reference; on cancelling
-    rows, the last row bit for bit the same row computed alone (one row padded to 8). None if it
-    passes, else what differs."""
-    template = dict(launch.template)
-    dtype, rows, bits, group_size = template["OutT"], template["Rows"], template["bits"], template["group_size"]
-    mode = next(m for m, code in quantized.MODES.items() if code == template["Mode"])
-    scale_dtype = getattr(mx, launch.signature[2][0]) if mode == "affine" else dtype
-    seed = rows * 1000 + bits * 10 + group_size
-    for K, N in ((256, 41), (launch.inputs[5], launch.inputs[6])):
-        x, cancelling, w, scales, bias = quantized.cancelling_layer(rows, K, N, bits, group_size, mode, dtype, seed,
-                                                                    scale_dtype)
-        call = splash_launch(x, w, scales, bias, group_size, bits, mode, rows=rows)
-        if call.signature == launch.signature:
-            break
-    else:
-        return "its self-check cannot make a call of this signature"
-    (y,) = metal.run(call)
-    want = quantized.quantized_verify_reference(x, w, scales, bias, group_size, bits, mode)
-    tolerance = {mx.float32: 1e-4, mx.float16: 4e-3, mx.bfloat16: 3e-2}[dtype]
-    if not mx.allclose(y.astype(mx.float32), want.astype(mx.float32), atol=tolerance * K ** 0.5, rtol=tolerance).item():
-        return f"its output differs from the reference (M={rows}, K={K}, N={N})"
-    (together,) = metal.run(splash_launch(cancelling, w, scales, bias, group_size, bits, mode, rows=rows))
-    (alone,) = metal.run(splash_launch(cancelling[-1:], w, scales, bias, group_size, bits, mode))
-    if not mx.array_equal(alone[0], together[-1]).item():
-        return f"row {rows - 1} of a {rows}-row call differs from the same row computed alone"
-    return None
+    may not depend on it). ``quantized_verify_launch`` with ``impl=SPLASH``."""
+    return quantized.quantized_verify_launch(x, w, scales, biases, group_size, bits, mode, rows, impl=quantized.SPLASH)
 
 
 # ---- Its cost in traffic's model (a cost entry traffic.py does not have; traffic's own constants) ----

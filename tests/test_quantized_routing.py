@@ -1,9 +1,10 @@
 """Routing by measured speed with exactness as a budget (issue 52): a layer keeps one kernel for
 every row count where that costs it at most ``quantized.EXACT_BUDGET`` (3%) over the fastest at each
 row count, else takes the fastest; ``exact`` (``--exact``) keeps every layer exact; doctor says what
-exactness costs and which layers run what. The kernels run on the emulator (tests/metal_emulation);
-the timings are injected (``tune(measure=...)``), and the decisions they must give are worked out
-by hand below, not by the code under test."""
+exactness costs and which layers run what; the Splash kernel taken where it measured fastest,
+given up where its self-check fails, timings saved before it still loading. The kernels run on the
+emulator (tests/metal_emulation); the timings are injected (``tune(measure=...)``), and the
+decisions they must give are worked out by hand below, not by the code under test."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from dflash_mlx import device, doctor, kernels, quantized
-from tests.metal_emulation import LOWEST_FIRST, EmulatedMetal
+from tests.metal_emulation import LOWEST_FIRST, EmulatedMetal, mutated_sources
 
 M3 = device.DeviceFacts("Apple M3 Pro", "applegpu_g15s", True, 15, 18 * doctor.GiB, 12 * doctor.GiB)
 SMALL_HEADS = [(32, 2, 16, 4)]  # the emulator runs every GPU thread: keep the grid small
@@ -202,3 +203,226 @@ def test_exact_reaches_load_and_every_command(monkeypatch):
     metal = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST))
     with pytest.raises(ValueError, match="exact=True"):
         api.load("demo", matmuls=quantized.QuantizedMatmuls(metal), exact=True)
+
+
+# ---- The Splash kernel (quantized.SPLASH) routed by measured speed ----
+# Stand-in seconds per call: the per-row kernel 1.0 and the tile 0.8 at every row count, stock 3.0
+# (0.2 at M = 1-2 on the 64-column layer), the Splash kernel 0.5 (1.5 at M = 1-4 on the 40-column
+# layer). Over the timed rows 1, 2, 4, 8, 16, worked out by hand:
+# - N = 24: Splash 2.5 against the tile's 4.0 and fastest at every row count: Splash, exact, at every M;
+# - N = 40: Splash 5.5, the tile 4.0 (the exact choice); fastest the tile at M = 1-4 (2.4) and Splash
+#   at 8 and 16 (1.0): 3.4, exact costs 4.0 / 3.4 - 1 = 17.6%: the tile at M = 1-4, Splash at 5-16;
+# - N = 64: Splash 2.5 (the exact choice); fastest stock at M = 1-2 (0.4) and Splash above (1.5): 1.9,
+#   exact costs 2.5 / 1.9 - 1 = 31.6%: stock at M = 1-2, Splash at 3-16.
+# Under --exact: Splash, the tile, Splash, each at every M.
+def splash_clock(which, fn):
+    out = fn()
+    mx.eval(out)  # the timed calls do run
+    M, N = out.shape
+    if which == quantized.STOCK:
+        return 0.2 if N == 64 and M <= 2 else 3.0
+    return {quantized.OURS: 1.0, quantized.TILE: 0.8}.get(which, 1.5 if N == 40 and M <= 4 else 0.5)
+
+
+def splash_oracle(x, layer):
+    """``layer(x)`` through the Splash kernel's shipped source launched by hand (its template and grid
+    written here from the .metal file's parameters, not by ``quantized``), padded to 16 rows."""
+    M, K = x.shape
+    N = layer["weight"].shape[0]
+    launch = kernels.Launch("quantized_verify_splash", (x, layer["weight"], layer["scales"], layer["biases"], M, K, N),
+                            (("OutT", mx.bfloat16), ("MatT", mx.bfloat16), ("Mat", 2), ("Rows", 16), ("bits", 4),
+                             ("group_size", 32), ("Mode", 0)),
+                            grid=(32, 4 * -(-N // 32), 1), output_shapes=((M, N),), output_dtypes=(mx.bfloat16,))
+    return exact_bits(kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST), self_check=False).run(launch)[0])
+
+
+def cancelling_model_and_rows(rows=12):
+    """``quantized_model`` with each layer's second group of K repeating its first, and ``rows`` rows
+    of x whose second half negates the first (``quantized.cancelling_layer``'s idea): every exact
+    output is 0, so each is the rounding error of its summation order, even in bfloat16."""
+    model = quantized_model()
+    for layer in model.layers:
+        half = mx.random.normal((layer["weight"].shape[0], 32), key=mx.random.key(layer["weight"].shape[0]))
+        w, scales, biases = mx.quantize(mx.concatenate([half, half], axis=1).astype(mx.bfloat16), 32, 4)
+        layer.update({"weight": w, "scales": scales, "biases": biases})
+    u = (mx.random.uniform(-1.0, 1.0, (rows, 32), key=mx.random.key(9)) * 2048).astype(mx.bfloat16)
+    return model, mx.concatenate([u, -u], axis=1)
+
+
+def test_the_tuner_routes_the_splash_kernel_where_it_measured_fastest(tmp_path):
+    model, x = cancelling_model_and_rows()
+    layers = quantized.layers_of([model])
+    metal = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST))
+    timings = {t.shape.N: t for t in quantized.tune(metal, layers, splash_clock, stock_one=ON_M3)}
+    assert all(set(t.splash_s) == set(quantized.TUNED_ROWS) for t in timings.values())
+    splash, tile, stock = quantized.SPLASH, quantized.TILE, quantized.STOCK
+    assert {n: t.exact_choice for n, t in timings.items()} == {24: splash, 40: tile, 64: splash}
+    assert timings[24].choice == splash and timings[24].is_exact and timings[24].exactness_cost == 0
+    assert timings[40].exactness_cost == pytest.approx(4.0 / 3.4 - 1)
+    assert timings[64].exactness_cost == pytest.approx(2.5 / 1.9 - 1)
+    assert [timings[40].choice.at(M) for M in range(1, 17)] == [tile] * 4 + [splash] * 12
+    assert [timings[64].choice.at(M) for M in range(1, 17)] == [stock] * 2 + [splash] * 14
+    forced = {t.shape.N: t for t in quantized.tune(metal, layers, splash_clock, stock_one=ON_M3, exact=True)}
+    assert {n: t.choice for n, t in forced.items()} == {24: splash, 40: tile, 64: splash}
+    assert all(t.is_exact for t in forced.values())
+    lines = quantized.render_timings(timings.values())
+    assert "M=8 stock/kernel/tile/splash" in lines[0]
+    assert any(" N24 " in line and "3000000.0/1000000.0/800000.0/500000.0" in line and line.endswith("splash (exact)")
+               for line in lines)
+    # The cache keeps the Splash column (with its source's hash) and decides from it again.
+    cache = quantized.TuningCache(tmp_path / "tuning.json", "emulated M3")
+    cache.record(forced.values())
+    again = quantized.TuningCache(tmp_path / "tuning.json", "emulated M3")
+    assert again.missing(layers) == [] and {s.N: c for s, c in again.choices(exact=True).items()} == \
+        {24: splash, 40: tile, 64: splash}
+
+    # Exact routing: each layer's one kernel at every M; on the Splash layers every call is the Splash
+    # kernel (a decode step padded to 8 rows), each verify row bit for bit its decode step and the
+    # Splash kernel's own result launched by hand.
+    quantized.route(model, quantized.QuantizedMatmuls(metal, again.choices(exact=True), exact=True))
+    launches = recording(metal)
+    told_apart = False
+    for layer in model.layers:
+        N = layer["weight"].shape[0]
+        name = quantized.KERNEL_OF[forced[N].choice]
+        for M in (1, 5, 12):
+            launches.clear()
+            verify = exact_bits(layer(x[:M]))
+            assert {(launch.name, dict(launch.template)["Rows"]) for launch in launches} == \
+                {(name, 8 if M <= 8 else 16)}, (N, M)
+            for r in range(M):
+                np.testing.assert_array_equal(verify[r], exact_bits(layer(x[r:r + 1]))[0], err_msg=f"N={N} row {r}/{M}")
+            if name == quantized.SPLASH_KERNEL:
+                np.testing.assert_array_equal(verify, splash_oracle(x[:M], layer))
+                per_row = quantized.QuantizedMatmuls(metal).matmul(x[:M], layer["weight"], layer["scales"],
+                                                                  layer["biases"], 32, 4, "affine", always=True)
+                told_apart |= not np.array_equal(verify, exact_bits(per_row))
+    assert told_apart  # the per-row kernel rounds differently somewhere: the comparison can tell them apart
+    assert all(quantized.routes_to_metal(layer) for layer in model.layers)
+
+
+def test_a_splash_kernel_failing_its_self_check_gives_way_to_the_next(tmp_path):
+    """A Splash kernel that drops the bias fails its self-check while the tuner asks: it is not timed
+    (its column says "failed"), each layer takes the next (the tile: 4.0 against the per-row
+    kernel's 5.0), with one warning naming the Splash kernel. A layer whose saved choice is Splash
+    (timed where it passed) runs stock at every row count instead, bit for bit stock's result."""
+    from tests.test_splash import MUTATIONS
+
+    broken = mutated_sources(quantized.SPLASH_KERNEL, *MUTATIONS["bias dropped"])
+    model = quantized_model()
+    layers = quantized.layers_of([model])
+    metal = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST, broken))
+    with pytest.warns(RuntimeWarning, match="quantized_verify_splash bfloat16 bfloat16 Mat=2 Rows=8 .* failed its self-check"):
+        timings = quantized.tune(metal, layers, splash_clock, stock_one=ON_M3, exact=True)
+    assert all(t.splash_s is None and t.choice == quantized.TILE for t in timings)
+    assert all(line.split()[6].endswith("/failed") for line in quantized.render_timings(timings)[1:])
+    cache = quantized.TuningCache(tmp_path / "tuning.json", "emulated M3")
+    cache.record(timings)
+    assert {t.splash_s for t in quantized.TuningCache(tmp_path / "tuning.json", "emulated M3").timings()} == {None}
+
+    x = mx.random.normal((8, 64), key=mx.random.key(6)).astype(mx.bfloat16)
+    saved = {s: quantized.SPLASH for s in layers}
+    fresh = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST, broken))
+    quantized.route(model, quantized.QuantizedMatmuls(fresh, saved, exact=True))
+    launches = recording(fresh)
+    layer = model.layers[1]
+    stock = mx.quantized_matmul(x, layer["weight"], layer["scales"], layer["biases"], transpose=True, group_size=32, bits=4)
+    with pytest.warns(RuntimeWarning, match="quantized_verify_splash .* failed its self-check"):
+        np.testing.assert_array_equal(exact_bits(layer(x)), exact_bits(stock))
+    launches.clear()
+    np.testing.assert_array_equal(exact_bits(layer(x[:1])), exact_bits(stock[:1]))
+    assert launches == []  # no kernel at M = 1 either
+
+
+def test_timings_saved_before_the_splash_column_still_load(tmp_path):
+    """An entry as the tuner wrote it before the Splash kernel was timed (no ``splash_us``) loads and
+    decides among stock, the per-row kernel and the tile, not missing; an entry whose Splash column
+    was timed on another Splash source counts as missing (timed again), its other columns kept;
+    one timed on this source offers Splash."""
+    import json
+
+    model = quantized_model()
+    shapes = sorted(quantized.layers_of([model]), key=lambda s: s.N)
+    us = lambda v: {str(m): v for m in quantized.TUNED_ROWS}  # noqa: E731
+    old = {"stock_us": us(3.0), "kernel_us": us(1.0), "tile_us": us(2.0), "stock_one_kernel": None}
+    source = quantized.source_hash(quantized.SPLASH_KERNEL)
+    entries = {s.key(): {"shape": s.__dict__, **old} for s in shapes}
+    entries[shapes[1].key()].update(splash_us=us(0.5), splash_source="0" * 12)
+    entries[shapes[2].key()].update(splash_us=us(0.5), splash_source=source)
+    (tmp_path / "tuning.json").write_text(json.dumps({"emulated M3": entries}))
+    cache = quantized.TuningCache(tmp_path / "tuning.json", "emulated M3")
+    timings = {t.shape.N: t for t in cache.timings()}
+    assert [timings[n].splash_s for n in (24, 40)] == [{}, {}] and timings[64].splash_s == {m: 0.5e-6 for m in
+                                                                                             quantized.TUNED_ROWS}
+    assert {s.N: c for s, c in cache.choices().items()} == {24: quantized.OURS, 40: quantized.OURS, 64: quantized.SPLASH}
+    assert cache.missing(shapes) == [shapes[1]]
+    assert quantized.render_timings([timings[24]])[1].split()[6] == "3.0/1.0/2.0/-"
+
+
+def test_doctor_names_the_splash_kernel_where_it_runs(tmp_path):
+    """doctor --tune on the emulated M3 with the demo pair's w4 draft, where the Splash kernel measured
+    fastest: 0.9 at every row count on the narrow shapes (the others 1.0, stock 3.0: Splash exact,
+    free), and on the 64-column shapes 0.5 from M = 8 on with stock 0.5 at M = 1-2 (exact Splash
+    4.0 against fastest 3.0: over budget, stock M=1-2 and Splash above). doctor counts the layers
+    on it; under --exact every layer runs it. Read back without --tune from timings saved before
+    the Splash column, doctor says it was not timed and nothing runs it; from timings where it
+    failed its self-check, says so without failing the pair."""
+    import json
+
+    from dflash_mlx import api
+
+    def clock(which, fn):
+        out = fn()
+        mx.eval(out)
+        M, N = out.shape
+        if which == quantized.STOCK:
+            return 0.5 if N == 64 and M <= 2 else 3.0
+        if which == quantized.SPLASH:
+            return (0.5 if M >= 8 else 1.0) if N == 64 else 0.9
+        return 1.0
+
+    plain, _ = api.load("demo", draft_quant="w4", matmuls=None)
+    widths = [m["weight"].shape[0] for model in (plain.target, plain.draft) for _, m in model.named_modules()
+              if isinstance(m, nn.QuantizedLinear) and m.bits == 4]
+    dear, cheap = widths.count(64), len(widths) - widths.count(64)
+    assert dear and cheap
+    texts = {}
+    for exact in (False, True):
+        metal = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST))
+        cache = quantized.TuningCache(tmp_path / f"tuning-{exact}.json", "emulated M3")
+        report = doctor.diagnose("demo", draft_quant="w4", probe_tokens=0, facts=M3, metal=metal,
+                                 kernel_shapes=SMALL_HEADS, tune=True, matmuls=quantized.QuantizedMatmuls(metal, exact=exact),
+                                 tuning_cache=cache, measure=clock, exact=exact)
+        assert not report.failed, doctor.render(report)
+        texts[exact] = "\n".join(doctor.render(report))
+    assert (f"0 run the per-row verify kernel, 0 the tile kernel, {cheap} the Splash kernel and 0 stock, each one kernel "
+            f"at every row count (exact), {dear} the fastest") in texts[False]
+    assert f"; {dear} of them the Splash kernel at some row counts)" in texts[False]
+    table = [line for line in texts[False].splitlines() if line.startswith("  affine4")]
+    assert all(line.endswith("fastest: stock M=1-2, splash M=3-16 (not exact)" if " N64 " in line else "splash (exact)")
+               for line in table)
+    assert f"0 the tile kernel, {dear + cheap} the Splash kernel and 0 stock" in texts[True]
+    assert "not timed" not in texts[True]
+
+    path = tmp_path / "tuning-True.json"
+    saved = json.loads(path.read_text())
+    for entry in saved["emulated M3"].values():
+        del entry["splash_us"], entry["splash_source"]
+    path.write_text(json.dumps(saved))
+    old = doctor.diagnose("demo", draft_quant="w4", probe_tokens=0, facts=M3,
+                          metal=kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST)), kernel_shapes=SMALL_HEADS,
+                          tuning_cache=quantized.TuningCache(path, "emulated M3"), exact=True)
+    text = "\n".join(doctor.render(old))
+    shapes = len(saved["emulated M3"])
+    assert f"{dear + cheap} run the per-row verify kernel, 0 the tile kernel and 0 stock" in text
+    assert f"the Splash kernel not timed for {shapes} of the {shapes} shapes" in text and not old.failed
+    # Saved where the Splash kernel failed its self-check: said, not offered, the pair not failed.
+    for entry in saved["emulated M3"].values():
+        entry.update(splash_us=None, splash_source=quantized.source_hash(quantized.SPLASH_KERNEL))
+    path.write_text(json.dumps(saved))
+    failed = doctor.diagnose("demo", draft_quant="w4", probe_tokens=0, facts=M3,
+                             metal=kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST)), kernel_shapes=SMALL_HEADS,
+                             tuning_cache=quantized.TuningCache(path, "emulated M3"), exact=True)
+    text = "\n".join(doctor.render(failed))
+    assert f"{dear + cheap} run the per-row verify kernel, 0 the tile kernel and 0 stock" in text and not failed.failed
+    assert f"the Splash kernel failed its self-check for {shapes} shapes (not offered there)" in text

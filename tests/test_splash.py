@@ -1,7 +1,8 @@
 """The Splash-style verify kernel (``metal/quantized_verify_splash.metal``, ``dflash_mlx/splash.py``)
 on the emulator: every form and dtype against the dequantize-then-matmul reference, every row bit
 for bit the row computed alone and beside other rows (M = 1..16), free-running threads, mutants;
-and its modelled cost (``splash.cycle_steps``) against ``traffic``'s own cycle model."""
+a quantized pair routed to it, lossless; and its modelled cost (``splash.cycle_steps``) against
+``traffic``'s own cycle model."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from dflash_mlx import kernels, quantized, splash, traffic
 from tests.metal_emulation import HIGHEST_FIRST, LOWEST_FIRST, PARALLEL, EmulatedMetal, mutated_sources
 from tests.test_mac_path import apple_gpu
+from tests.test_emulated_metal import bf16_target_dir, small_prompts  # noqa: F401 - fixtures of the pair test
 from tests.test_quantized_verify import FORMS, assert_matches_reference, exact, layer
 
 DTYPES = [mx.float16, mx.bfloat16, mx.float32]
@@ -107,7 +109,9 @@ def test_splash_launch_refuses_what_it_has_no_form_for():
         splash.splash_launch(mx.concatenate([x, x[:1]]), w, scales, biases, 32, 4)
     launch = splash.splash_launch(x[:3], w, scales, biases, 32, 4)
     assert dict(launch.template)["Rows"] == 8 and launch.grid == (32, 4, 1) and launch.threadgroup == (32, 4, 1)
-    assert splash.SPLASH_KERNEL not in quantized.KERNEL_OF.values()  # not routed: the tuner never times it
+    with pytest.raises(ValueError, match="float16, bfloat16 or float32 activations"):
+        splash.splash_launch(x.astype(mx.int32), w, scales, biases, 32, 4)
+    assert quantized.KERNEL_OF[quantized.SPLASH] == splash.SPLASH_KERNEL  # routed: the tuner times it
 
 
 # Mutants: each must be caught by the reference or the cancelling-rows comparison (12 rows: two
@@ -210,6 +214,41 @@ def test_the_cost_model_of_splash_is_traffics_own():
     # the Splash count: dearer than the float tile per padded row (the group apply), cheaper once
     assert splash.ops_per_weight(8, 4) > traffic.ops_per_weight("tile", 8, 4) - 0.5
     assert splash.SPLASH_ONCE[4] < traffic.TILE_ONCE[4]
+
+
+@pytest.mark.slow  # every quantized matmul of the pair runs in the C++ emulator (about 20 s)
+def test_a_quantized_pair_routed_to_splash_is_lossless(bf16_target_dir, tmp_path, small_prompts):
+    """A w4 target and w4 draft with every quantized layer routed to the Splash kernel
+    (``quantized.SPLASH``, one kernel at every row count): the target's verify pass of 8 tokens
+    gives bit for bit the logits of its 8 decode steps (each padded to the 8-row tile), greedy
+    speculative output equals the target alone at blocks 2 and 8, and every quantized matmul ran the
+    Splash kernel (both row forms self-checked, none fell back; no other verify kernel)."""
+    from dflash_mlx.cache import restore, snapshot
+    from dflash_mlx.prefill import prefill
+    from tests.reference import target_only
+    from tests.test_emulated_metal import GREEDY, check_greedy_lossless, quantized_mac_pair
+    from tests.test_lossless import take
+
+    target, draft, metal = quantized_mac_pair(bf16_target_dir, tmp_path, 4, impl=quantized.SPLASH)
+    ran = set()
+    real_run = metal.run
+    metal.run = lambda launch: ran.add(launch.name) or real_run(launch)
+    prompt = small_prompts[0]
+    tokens, _ = take(target_only(target, prompt, GREEDY), 8)
+    cache = target.make_cache()
+    prefill(target, prompt, cache, 64)
+    before = snapshot(cache)
+    verify = exact(target.forward(mx.array(tokens)[None], cache)[0][0])
+    restore(cache, before)
+    for r, token in enumerate(tokens):
+        np.testing.assert_array_equal(verify[r], exact(target.forward(mx.array([[token]]), cache)[0][0, -1]),
+                                      err_msg=f"verify row {r} against its decode step")
+    check_greedy_lossless(target, draft, small_prompts[:1], [2, 8], n=16)
+    report = {k: v for k, v in metal.report().items() if k.startswith("quantized_verify")}
+    rows = {int(k.split("Rows=")[1].split()[0]) for k in report}
+    assert rows == {8, 16} and set(report.values()) == {"ok"}, report
+    assert all(k.startswith(splash.SPLASH_KERNEL + " ") for k in report), report
+    assert {name for name in ran if name.startswith("quantized_verify")} == {splash.SPLASH_KERNEL}, ran
 
 
 def test_the_docs_table_is_the_models():
