@@ -156,15 +156,59 @@ def _draft_windows(draft_args, draft_window: Optional[int]) -> List[Optional[int
     return out
 
 
+def projection_memory(heads: int, kv_heads: int, head_dim: int, tokens: int, element: int, qk_norm: bool) -> int:
+    """Bytes a ``layers.Attention`` layer's projection of a prefill chunk holds at its peak on the
+    CPU (MLX 0.32): the queries, keys and values projected; with ``qk_norm`` the queries and keys
+    normed (MLX's CPU ``rms_norm`` is plain operations, its output a tensor of its own); and per
+    rotated tensor RoPE's CPU form: its four half-width products and their concatenation, and its
+    angle, cosine and sine tables [tokens, head_dim / 2]. Measured in a prefill chunk's layer (the
+    growing cache's copy subtracted, ``prefill_working_memory``), in units of one [tokens, heads x
+    head_dim] float32 tensor with as many key heads as query heads: gpt-oss 10.8 to 11.1 (this
+    counts 10.5), Gemma 4 11.6 to 12.7 (12.5; its values' norm, not counted, is freed by then: evaluated
+    alone the projection peaks at 14.5). On a GPU ``rms_norm`` and ``rope`` are fused kernels: the
+    projections alone (not measured)."""
+    q, kv = heads * head_dim, kv_heads * head_dim
+    if mx.default_device() != mx.cpu:
+        return tokens * (q + 2 * kv) * element
+    norms = q + kv if qk_norm else 0
+    rope = 3 * (q + kv) + 2 * 3 * head_dim // 2
+    return tokens * (q + 2 * kv + norms + rope) * element
+
+
+def experts_memory(tokens: int, hidden: int, experts: Tuple[int, int, int, int], element: int) -> int:
+    """Bytes a ``layers.SparseMoe`` block holds for a prefill chunk at its peak: per token and expert
+    slot (``experts``: top k, expert size, then the tensors of the expert's width and of the hidden
+    width each slot holds), its up and gate projections with the activation's tensors (measured on
+    MLX 0.32's CPU: 2 for SwiGLU, 3 for Gemma 4's GeGLU, 5 for gpt-oss's clamped SwiGLU with its
+    biases), and its gathered input row, the down projection's output, unsorted and weighted (3,
+    4 for Gemma 4 and gpt-oss); then the slots' sum. On the CPU the experts compute in float32
+    (``experts_in_float32``: MLX's CPU gather_mm has no other dtype); elsewhere in the model's
+    (not measured). Measured on the blocks alone, each within 2% of its peak; the router's float32
+    logits and top k [tokens, experts] are not counted (with 4 to 8 experts, the 26 floats a token
+    the measurements left)."""
+    top_k, size, per_size, per_hidden = experts
+    width = 4 if mx.default_device() == mx.cpu else element
+    return tokens * (top_k * (per_size * size + per_hidden * hidden) + hidden) * width
+
+
 def prefill_working_memory(args, context: int, chunk: int, element: int, taps: List[int] = (),
-                           draft_element: int = 2, draft_layers: int = 0, draft_kv: int = 0) -> int:
+                           draft_element: int = 2, draft_layers: int = 0, draft_kv: int = 0,
+                           regrown: int = 0) -> int:
     """Bytes a prefill chunk of ``chunk`` tokens at ``context`` needs on top of the caches: the
     target's pass (its largest layer: an attention layer's row blocks of scores, a Gated DeltaNet
-    layer's convolution or an MLP; and the hidden states and tapped features alive across layers)
+    layer's convolution, an MLP or a mixture of experts (``args.experts``, ``experts_memory``); and
+    the hidden states and tapped features alive across layers)
     or the draft's (``draft_layers`` layers that read the context, ``draft_kv`` = KV heads x head
     dim), whichever is larger. The last layer's attention runs on the last token alone unless the
     draft taps it (as the loop feeds a prompt). On a GPU the fused attention keeps no scores (not
-    measured)."""
+    measured).
+
+    A ``layers.Attention`` layer (``args.qk_norm`` set: every family but Qwen3.5, whose
+    attention term above counts its own queries) also peaks while it projects the chunk
+    (``projection_memory``) as its KV cache grows: mlx-lm's ``KVCache`` concatenates its buffer
+    with zeros for the new rows, both alive beside the result: one full layer's cache at its new
+    size (``regrown`` rows, 0 where the chunk did not reallocate a cache holding rows) on top of the
+    caches after the chunk."""
     from .models.layers import side_streams
     from .models.qwen3_5 import attention_rows
 
@@ -182,9 +226,16 @@ def prefill_working_memory(args, context: int, chunk: int, element: int, taps: L
     attention = scores + 5 * c * args.num_attention_heads * args.head_dim * element if rows is not None else 0
     conv_dim = 2 * args.linear_num_key_heads * args.linear_key_head_dim + args.linear_num_value_heads * args.linear_value_head_dim
     gated_delta = CONV_BYTES * c * conv_dim if "linear_attention" in kinds else 0
+    qk_norm = getattr(args, "qk_norm", None)
+    projection = 0 if qk_norm is None else max(
+        projection_memory(args.num_attention_heads, n_kv, head_dim, c, element, qk_norm)
+        + (2 * regrown * n_kv * head_dim * element if window is None else 0)
+        for window, n_kv, head_dim in args.kv_layers)
     mlp = 3 * c * args.intermediate_size * element
+    experts = getattr(args, "experts", None)
+    moe = experts_memory(c, args.hidden_size, experts, element) if experts else 0
     n = len(taps)
-    target = max(attention, gated_delta, mlp) + c * args.hidden_size * element * (2 + n)
+    target = max(attention, projection, gated_delta, mlp, moe) + c * args.hidden_size * element * (2 + n)
     # Then the draft takes the chunk's features (the loop evaluates the two passes one after the
     # other): the features, fc and its norm, and per context-reading layer its keys and values
     # (projected, normed, rotated) before they are written into its cache.
@@ -206,7 +257,9 @@ def memory_args(config: Dict[str, Any], qwen3_5_args):
     ``kv_layers`` lists each attention layer's (sliding window or None, key heads, head size): a
     sliding layer (gpt-oss, Gemma 4, windowed Qwen3) keeps its window's rows, not the context's,
     and Gemma 4's full layers have their own ``global_head_dim`` (the working memory takes the
-    widest head)."""
+    widest head). ``qk_norm``: whether its ``layers.Attention`` layers norm queries and keys per
+    head (Qwen3's, Qwen3-MoE's and Gemma 4's; not Llama's or gpt-oss's); ``experts``: a mixture
+    of experts' shapes for ``experts_memory`` (None: dense)."""
     from types import SimpleNamespace
 
     from .loading import CheckpointError, target_family, target_module
@@ -223,10 +276,17 @@ def memory_args(config: Dict[str, Any], qwen3_5_args):
     own = target_module(config).ModelArgs.from_dict(dict(text_part(config)))
     shape = getattr(own, "head_shape", lambda i: (own.head_dim, own.num_key_value_heads))
     kv_layers = [(own.window(i), *shape(i)[::-1]) for i in range(own.num_hidden_layers)]
+    experts = None  # a mixture of experts' (top k, expert size, tensors per slot: expert-wide, hidden-wide)
+    if family == "gpt_oss":
+        experts = (own.num_experts_per_tok, own.intermediate_size, 5, 4)
+    elif family == "qwen3_moe":
+        experts = (own.num_experts_per_tok, own.moe_intermediate_size, 2, 3)
+    elif family == "gemma4" and own.enable_moe_block:
+        experts = (own.top_k_experts, own.moe_intermediate_size, 3, 4)
     return SimpleNamespace(
         hidden_size=own.hidden_size, intermediate_size=own.intermediate_size, num_attention_heads=own.num_attention_heads,
         num_key_value_heads=own.num_key_value_heads, head_dim=max(d for _, _, d in kv_layers), vocab_size=own.vocab_size,
-        kv_layers=kv_layers,
+        kv_layers=kv_layers, qk_norm=family in ("qwen3", "qwen3_moe", "gemma4"), experts=experts,
         num_hidden_layers=own.num_hidden_layers, layer_types=["full_attention"] * own.num_hidden_layers,
         linear_num_key_heads=0, linear_key_head_dim=0, linear_num_value_heads=0, linear_value_head_dim=0,
         linear_conv_kernel_dim=1)
@@ -270,7 +330,10 @@ def estimate_memory(target_dir: Path, draft_dir: Optional[Path], draft_quant: Op
     grown, fed = [], 0  # the KV bytes after each prompt chunk: the peak may come at any
     for n in feed:
         fed += n
-        grown.append((n, fed, sum(row_bytes[w] * _cache_rows(c, [n]) for w, c in kv.items())))
+        before = 0 if kv.get(None) is None or kv[None].keys is None else kv[None].keys.shape[2]
+        kv_bytes = sum(row_bytes[w] * _cache_rows(c, [n]) for w, c in kv.items())
+        after = 0 if kv.get(None) is None else kv[None].keys.shape[2]
+        grown.append((n, fed, kv_bytes, after if 0 < before < after else 0))  # rows of a full cache reallocated
     out["attention KV caches"] = grown[-1][2]
     state = args.linear_num_value_heads * args.linear_value_head_dim * args.linear_key_head_dim * 4
     conv_dim = 2 * args.linear_num_key_heads * args.linear_key_head_dim + args.linear_num_value_heads * args.linear_value_head_dim
@@ -299,8 +362,8 @@ def estimate_memory(target_dir: Path, draft_dir: Optional[Path], draft_quant: Op
     # adds to the final caches is the working memory.
     # Chunks before the draft's window run untapped: no features, no draft pass.
     prefill = max(held + prefill_working_memory(args, end, n, element, taps if end > first_kept else [],
-                                                           draft_element, draft_layers, draft_kv)
-                  for n, end, held in grown if n > 1 or end == 1) - out["attention KV caches"]
+                                                           draft_element, draft_layers, draft_kv, regrown)
+                  for n, end, held, regrown in grown if n > 1 or end == 1) - out["attention KV caches"]
     decode = decode_working_memory(args, block or 1, element, tape)
     out[f"working memory ({'prefill' if prefill >= decode else 'verify'})"] = max(prefill, decode)
     return out

@@ -70,7 +70,9 @@ def _wide_window_pair(root, kind: str):
     window beside full ones: Gemma 4 whose full layers have 512-wide heads (``global_head_dim``)
     and its sliding ones 64-wide, or gpt-oss with 256-wide heads in every layer. Counting the
     sliding layers at the whole context (or Gemma 4's full layers at ``head_dim``) is off by far
-    more than 10%."""
+    more than 10%. ``gemma4_moe``: Gemma 4 with a mixture of two 2048-wide experts beside its MLP
+    and 128-wide full heads, whose prefill chunk peaks in the experts (their float32 activations
+    four times the attention's projection)."""
     import torch
 
     from dflash_mlx import tiny
@@ -79,14 +81,16 @@ def _wide_window_pair(root, kind: str):
     target = root / "target"
     eos = tiny.write_tokenizer(target, VOCAB)
     torch.manual_seed(0)
-    if kind == "gemma4":
+    if kind.startswith("gemma4"):
         from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
-        model = Gemma4ForCausalLM(Gemma4TextConfig(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
-            num_key_value_heads=2, head_dim=64, global_head_dim=512, sliding_window=64,
-            layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=0,
-            max_position_embeddings=8192, eos_token_id=eos))
+        moe = dict(global_head_dim=128, enable_moe_block=True, num_experts=2, top_k_experts=2,
+                   moe_intermediate_size=2048) if kind == "gemma4_moe" else {}
+        model = Gemma4ForCausalLM(Gemma4TextConfig(**{
+            **dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+                   num_key_value_heads=2, head_dim=64, global_head_dim=512, sliding_window=64,
+                   layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=0,
+                   max_position_embeddings=8192, eos_token_id=eos), **moe}))
     else:
         from transformers import GptOssConfig, GptOssForCausalLM
 
@@ -96,9 +100,9 @@ def _wide_window_pair(root, kind: str):
             max_position_embeddings=8192, eos_token_id=eos))
     model.float().save_pretrained(str(target))
     config = json.loads((target / "config.json").read_text())
-    if kind == "gemma4":
+    if kind.startswith("gemma4"):
         config.pop("per_layer_config", None)
-        config.update(global_head_dim=512)
+        config.update(global_head_dim=128 if kind == "gemma4_moe" else 512)
         (target / "config.json").write_text(json.dumps(config, indent=2))
     draft = tiny.draft_config(config, block_size=4)
     tiny.write_draft(root / "draft", draft)
@@ -128,15 +132,19 @@ def test_doctor_counts_the_kv_caches_a_sliding_window_target_holds(kind, tmp_pat
     assert estimate["attention KV caches"] == held
 
 
-@pytest.mark.slow  # a measured run in a subprocess (about 20 s)
-def test_doctor_estimates_gpt_oss_as_a_measured_run(tmp_path):
-    """``doctor.estimate_memory`` at 3072 tokens is within 10% of the peak a DFlash run at that
-    context measures in a process of its own (as tests/test_doctor.py checks Qwen3.5's)."""
+@pytest.mark.slow  # a measured run in a subprocess (10 to 20 s each)
+@pytest.mark.parametrize("kind,context", [("gpt_oss", 6144), ("gemma4", 2048), ("gemma4_moe", 2048)])
+def test_doctor_estimates_a_sliding_window_target_as_a_measured_run(kind, context, tmp_path):
+    """``doctor.estimate_memory`` is within 10% of the peak a DFlash run at that context measures
+    in a process of its own (as tests/test_doctor.py checks Qwen3.5's), where a prefill chunk's
+    working memory is not the attention scores': gpt-oss at 6144 tokens (a full layer's KV cache
+    copied as it grows: 15% under without it), Gemma 4 (its attention projection with RoPE's and
+    the norms' CPU tensors, 512-wide full heads: 24% under without it) and Gemma 4 with a mixture
+    of experts (the experts' float32 activations: 57% under without them)."""
     from dflash_mlx import doctor
     from tests.test_doctor import measured_peak
 
-    context = 3072
-    target_dir, draft_dir = _wide_window_pair(tmp_path, "gpt_oss")
+    target_dir, draft_dir = _wide_window_pair(tmp_path, kind)
     measured = measured_peak(target_dir, draft_dir, context)
     estimate = doctor.estimate_memory(target_dir, draft_dir, None, context)
     assert abs(sum(estimate.values()) / measured - 1) < 0.10, (measured, estimate)
