@@ -296,7 +296,7 @@ print(mx.get_peak_memory() - base)
     return int(done.stdout.split()[-1])
 
 
-@pytest.mark.parametrize("pair,context", [("demo", 4096), pytest.param("demo-window", 4096, marks=pytest.mark.slow),
+@pytest.mark.parametrize("pair,context", [pytest.param("demo", 4096, marks=pytest.mark.slow), pytest.param("demo-window", 4096, marks=pytest.mark.slow),
                                           pytest.param("wide", 3072, marks=pytest.mark.slow)])
 def test_memory_estimate_agrees_with_a_measured_run(pair, context, tmp_path):
     """The estimate at a context is within 10% of the peak a DFlash run at that context measures

@@ -58,7 +58,7 @@ def run(checkout, *args: str, venv: str = "/active/venv"):
     return done.returncode, calls, done.stdout, done.stderr
 
 
-TESTS = ["python -m compileall -q dflash_mlx tests", "python -m pytest -q -n 2"]
+TESTS = ["python -m compileall -q dflash_mlx tests", "python -m pytest -q -n 2 --dist loadscope"]
 
 
 def test_installs_then_runs_the_suite(checkout):

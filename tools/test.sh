@@ -2,15 +2,15 @@
 # The test suite in one command on a fresh machine (the README's, and what .ci/run calls): install
 # what the suite needs (tools/install-dev.sh: this checkout with its test extras and z-lab's
 # reference code; tools/install-agents.sh: the pinned coding agents, with node and npm), compile the
-# sources once, then `python -m pytest -q -n 2`. Without an active virtual environment it makes and
-# uses .venv in the checkout (a fresh system Python may refuse pip installs).
+# sources once, then `python -m pytest -q -n 2 --dist loadscope`. Without an active virtual
+# environment it makes and uses .venv in the checkout (a fresh system Python may refuse pip installs).
 set -euo pipefail
 
 usage() {
   cat <<'EOF'
 usage: bash tools/test.sh [--no-install | --install-only] [--dry-run] [-h] [PYTEST_ARGS...]
 
-Install what the test suite needs, then run it (python -m pytest -q -n 2 PYTEST_ARGS...).
+Install what the test suite needs, then run it (python -m pytest -q -n 2 --dist loadscope PYTEST_ARGS...).
 
   --no-install    skip the installs: compile the sources and run the tests only
   --install-only  install only (.ci/run checks the wheel between the installs and the tests)
@@ -66,5 +66,7 @@ if [ "$tests" = 1 ]; then
   # subprocesses (CLI runs, servers, pipeline ranks) do not each compile them again.
   if [ "$dry" = 1 ]; then echo "python -m compileall -q dflash_mlx tests > /dev/null"
   else python -m compileall -q dflash_mlx tests > /dev/null; fi
-  step python -m pytest -q -n 2 "${pytest_args[@]}"
+  # One worker per module (--dist loadscope): a module's fixtures (tiny checkpoints, servers) are built
+  # once, not once per worker.
+  step python -m pytest -q -n 2 --dist loadscope "${pytest_args[@]}"
 fi
