@@ -137,21 +137,26 @@ def cancelling_layer(rows: int, K: int, N: int, bits: int, group_size: int, mode
     return x, mx.concatenate([u, -u], axis=1), w, scales, bias
 
 
+# The small random layer each kernel's self-check starts from (K, N): three steps of K for the
+# per-row kernel and the tile; for Splash a full threadgroup of 32 columns and a partial one.
+CHECK_LAYER = {OURS: (768, 2 * COLUMNS + 1), TILE: (768, 2 * COLUMNS + 1), SPLASH: (256, 41)}
+
+
 def _check_quantized(metal: kernels.MetalKernels, launch: kernels.Launch) -> Optional[str]:
-    """On a small random layer (three steps of K), in the call's signature (dtypes and address
-    spaces: the call's own K and N where a small layer puts some input in the ``constant`` space):
-    every row within float tolerance of the reference; and on cancelling rows
-    (``cancelling_layer``), the last row bit for bit the same row computed alone (a one-row call:
-    one accumulator, or the tile padded from one row), which is what keeps verify equal to decode.
-    For the per-row and the tile kernel (the launch's name says which); the Splash kernel has its own
-    (``check_splash``)."""
+    """Every verify kernel's self-check (``form_usable`` runs it through ``MetalKernels.usable`` on
+    first use; the launch's name says which kernel). On a small random layer (``CHECK_LAYER``), in
+    the call's signature (dtypes and address spaces: the call's own K and N where a small layer puts
+    some input in the ``constant`` space): every row within float tolerance of the reference; and
+    on cancelling rows (``cancelling_layer``), the last row bit for bit the same row computed alone
+    (a one-row call: one accumulator, or the tile padded from one row), which is what keeps verify
+    equal to decode. None if it passes, else what differs."""
     impl = IMPLEMENTATION_OF[launch.name]
     template = dict(launch.template)
     dtype, rows, bits, group_size = template["OutT"], template["Rows"], template["bits"], template["group_size"]
     mode = next(m for m, code in MODES.items() if code == template["Mode"])
     scale_dtype = getattr(mx, launch.signature[2][0]) if mode == "affine" else dtype
     seed = rows * 1000 + bits * 10 + group_size
-    for K, N in ((768, 2 * COLUMNS + 1), (launch.inputs[5], launch.inputs[6])):
+    for K, N in (CHECK_LAYER[impl], (launch.inputs[5], launch.inputs[6])):
         x, cancelling, w, scales, bias = cancelling_layer(rows, K, N, bits, group_size, mode, dtype, seed, scale_dtype)
         call = quantized_verify_launch(x, w, scales, bias, group_size, bits, mode, rows=rows, impl=impl)
         if call.signature == launch.signature:
@@ -171,39 +176,7 @@ def _check_quantized(metal: kernels.MetalKernels, launch: kernels.Launch) -> Opt
     return None
 
 
-def check_splash(metal: kernels.MetalKernels, launch: kernels.Launch) -> Optional[str]:
-    """The Splash kernel's self-check (``MetalKernels.usable(launch, check_splash)``, run by
-    ``form_usable``), as ``_check_quantized`` for the other two but on a layer of 41 columns (a full
-    threadgroup of 32 and a partial one): every row within float tolerance of the reference; on
-    cancelling rows, the last row bit for bit the same row computed alone (one row padded to 8).
-    None if it passes, else what differs."""
-    template = dict(launch.template)
-    dtype, rows, bits, group_size = template["OutT"], template["Rows"], template["bits"], template["group_size"]
-    mode = next(m for m, code in MODES.items() if code == template["Mode"])
-    scale_dtype = getattr(mx, launch.signature[2][0]) if mode == "affine" else dtype
-    seed = rows * 1000 + bits * 10 + group_size
-    for K, N in ((256, 41), (launch.inputs[5], launch.inputs[6])):
-        x, cancelling, w, scales, bias = cancelling_layer(rows, K, N, bits, group_size, mode, dtype, seed, scale_dtype)
-        call = quantized_verify_launch(x, w, scales, bias, group_size, bits, mode, rows=rows, impl=SPLASH)
-        if call.signature == launch.signature:
-            break
-    else:
-        return "its self-check cannot make a call of this signature"
-    (y,) = metal.run(call)
-    want = quantized_verify_reference(x, w, scales, bias, group_size, bits, mode)
-    tolerance = {mx.float32: 1e-4, mx.float16: 4e-3, mx.bfloat16: 3e-2}[dtype]
-    if not mx.allclose(y.astype(mx.float32), want.astype(mx.float32), atol=tolerance * K ** 0.5, rtol=tolerance).item():
-        return f"its output differs from the reference (M={rows}, K={K}, N={N})"
-    (together,) = metal.run(quantized_verify_launch(cancelling, w, scales, bias, group_size, bits, mode, rows=rows,
-                                                    impl=SPLASH))
-    (alone,) = metal.run(quantized_verify_launch(cancelling[-1:], w, scales, bias, group_size, bits, mode, impl=SPLASH))
-    if not mx.array_equal(alone[0], together[-1]).item():
-        return f"row {rows - 1} of a {rows}-row call differs from the same row computed alone"
-    return None
-
-
-# Each kernel's self-check (``form_usable`` runs it through ``MetalKernels.usable`` on first use).
-CHECK_OF = {OURS: _check_quantized, TILE: _check_quantized, SPLASH: check_splash}
+check_splash = _check_quantized  # the Splash kernel's, by the name its tests and docs use
 
 
 @dataclass(frozen=True)
@@ -231,13 +204,13 @@ def form_usable(metal: kernels.MetalKernels, dtype: mx.Dtype, w: mx.array, scale
                 group_size: int, bits: int, mode: str, impl: str = OURS) -> bool:
     """Whether ``impl``'s kernel may run this layer (its arrays, activations of ``dtype``) at
     every row count: each of its specializations (the per-row kernel's accumulator counts 1, 2, 4,
-    8, 16; the tiles' 8 and 16 rows) passed its self-check (``CHECK_OF``) in the signature the
+    8, 16; the tiles' 8 and 16 rows) passed its self-check (``_check_quantized``) in the signature the
     layer's calls have. One failing makes the layer stock at every row count, so that no layer runs
     a kernel at some row counts and stock at others (the tuner, which asks this first, times and
     offers only the kernels that pass)."""
     K = w.shape[1] * 32 // bits
     return all(metal.usable(quantized_verify_launch(mx.zeros((rows, K), dtype=dtype), w, scales, biases, group_size, bits,
-                                                    mode, impl=impl), CHECK_OF[impl]) for rows in BUCKETS[impl])
+                                                    mode, impl=impl), _check_quantized) for rows in BUCKETS[impl])
 
 
 class _Choices(dict):

@@ -217,8 +217,10 @@ FAMILIES = [
 ]
 
 
-def write_family_pair(root, family: Family):
-    """A tiny pair whose target writes ``family.text`` after the family's generation prompt."""
+def family_checkpoints(root, family: Family):
+    """A tiny pair in ``family``'s chat format, its target's head not pointed yet: (target folder,
+    draft folder, tokenizer, the generation prompt's ids, end token, ``ids(pieces)``: the pieces as
+    token ids, each special token of the family's as itself)."""
     from transformers import AutoTokenizer
 
     target_dir, draft_dir = root / "target", root / "draft"
@@ -229,10 +231,18 @@ def write_family_pair(root, family: Family):
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     prompt = tokenizer.apply_chat_template(USER, tools=TOOLS, add_generation_prompt=True, **kwargs(family))
     prompt = prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "input_ids") else prompt
-    answer = []
-    for piece in family.pieces:
-        answer += [tokenizer.convert_tokens_to_ids(piece)] if piece in family.tokens else \
-            tokenizer.encode(piece, add_special_tokens=False)
+
+    def ids(pieces):
+        return [t for p in pieces for t in ([tokenizer.convert_tokens_to_ids(p)] if p in family.tokens else
+                                            tokenizer.encode(p, add_special_tokens=False))]
+
+    return target_dir, draft_dir, tokenizer, prompt, eos, ids
+
+
+def write_family_pair(root, family: Family):
+    """A tiny pair whose target writes ``family.text`` after the family's generation prompt."""
+    target_dir, draft_dir, tokenizer, prompt, eos, ids = family_checkpoints(root, family)
+    answer = ids(family.pieces)
     chain = [prompt[-1]] + answer + [eos]
     assert len(set(chain)) == len(chain), f"{family.name}: the scripted answer repeats a token: {chain}"
     assert tokenizer.decode(answer) == family.text

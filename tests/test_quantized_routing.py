@@ -126,13 +126,25 @@ def test_exactness_is_kept_within_its_budget_and_the_fastest_taken_beyond_it(tmp
         np.testing.assert_array_equal(exact_bits(dear(x[r:r + 1]))[0], exact_bits(verify)[r], err_msg=f"row {r}")
 
 
+def demo_layers_by_width():
+    """The demo pair's 4-bit layers (w4 draft): how many are 64 wide (the injected clocks' dear
+    shape) and how many are not; both kinds present."""
+    from dflash_mlx import api
+
+    plain, _ = api.load("demo", draft_quant="w4", matmuls=None)
+    widths = [m["weight"].shape[0] for model in (plain.target, plain.draft) for _, m in model.named_modules()
+              if isinstance(m, nn.QuantizedLinear) and m.bits == 4]
+    dear, cheap = widths.count(64), len(widths) - widths.count(64)
+    assert dear and cheap
+    return dear, cheap
+
+
 def test_doctor_says_what_exactness_costs_and_which_layers_run_what(tmp_path):
     """On the emulated Mac path (an M3: stock is never one kernel for every M), the demo pair's w4
     draft: where stock is much faster at M = 1-2 (the 64-column shapes) the layers run the fastest,
     elsewhere the kernel for every M; doctor counts layers, prints the pair's cost of exactness
     (worked out here from the stand-in clock and the draft's own layer shapes) and the table;
     with --exact every layer is exact."""
-    from dflash_mlx import api
 
     def clock(which, fn):
         out = fn()
@@ -142,11 +154,7 @@ def test_doctor_says_what_exactness_costs_and_which_layers_run_what(tmp_path):
             return (0.5 if N == 64 else 0.99) if M <= 2 else 3.0
         return 1.0
 
-    plain, _ = api.load("demo", draft_quant="w4", matmuls=None)
-    widths = [m["weight"].shape[0] for model in (plain.target, plain.draft) for _, m in model.named_modules()
-              if isinstance(m, nn.QuantizedLinear) and m.bits == 4]
-    dear, cheap = widths.count(64), len(widths) - widths.count(64)
-    assert dear and cheap
+    dear, cheap = demo_layers_by_width()
     # A cheap layer: exact 5.0 against 4.98 (0.4%); a dear one: 5.0 against 0.5 + 0.5 + 3 x 1.0 = 4.0.
     cost = (5.0 * (dear + cheap)) / (4.0 * dear + 4.98 * cheap) - 1
 
@@ -369,8 +377,6 @@ def test_doctor_names_the_splash_kernel_where_it_runs(tmp_path):
     failed its self-check, says so without failing the pair."""
     import json
 
-    from dflash_mlx import api
-
     def clock(which, fn):
         out = fn()
         mx.eval(out)
@@ -381,11 +387,7 @@ def test_doctor_names_the_splash_kernel_where_it_runs(tmp_path):
             return (0.5 if M >= 8 else 1.0) if N == 64 else 0.9
         return 1.0
 
-    plain, _ = api.load("demo", draft_quant="w4", matmuls=None)
-    widths = [m["weight"].shape[0] for model in (plain.target, plain.draft) for _, m in model.named_modules()
-              if isinstance(m, nn.QuantizedLinear) and m.bits == 4]
-    dear, cheap = widths.count(64), len(widths) - widths.count(64)
-    assert dear and cheap
+    dear, cheap = demo_layers_by_width()
     texts = {}
     for exact in (False, True):
         metal = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST))

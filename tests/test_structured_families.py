@@ -23,7 +23,7 @@ import pytest
 from dflash_mlx import tiny
 from dflash_mlx.scripted import point_head
 from tests.test_formats import FAMILIES as FORMATS
-from tests.test_formats import REASONING, USER, Family, kwargs
+from tests.test_formats import REASONING, USER, Family, family_checkpoints, kwargs
 
 HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|call|>", "<|return|>"]
 GEMMA_TOKENS = ["<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>', "<|turn>", "<turn|>", "<|think|>"]
@@ -94,21 +94,7 @@ def _valid_as(value, kind, schema) -> bool:
 
 def write_pair(root, family: Family, more: List[List[str]]):
     """A tiny pair whose target follows the family's chains after its generation prompt."""
-    from transformers import AutoTokenizer
-
-    target_dir, draft_dir = root / "target", root / "draft"
-    eos = tiny.write_tokenizer(target_dir, extra_special_tokens=family.tokens)
-    config = tiny.write_target(target_dir, tiny.target_config(512, eos_token_id=eos))
-    tiny.write_draft(draft_dir, tiny.draft_config(config, block_size=16))
-    (target_dir / "chat_template.jinja").write_text(family.template)
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    prompt = tokenizer.apply_chat_template(USER, tools=TOOLS, add_generation_prompt=True, **kwargs(family))
-    prompt = prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "input_ids") else prompt
-
-    def ids(pieces):
-        return [t for p in pieces for t in ([tokenizer.convert_tokens_to_ids(p)] if p in family.tokens else
-                                            tokenizer.encode(p, add_special_tokens=False))]
-
+    target_dir, draft_dir, _, prompt, _, ids = family_checkpoints(root, family)
     chains = [[prompt[-1]] + ids(family.pieces)] + [ids(c) for c in more]
     successors = {}
     for chain in chains:
