@@ -175,6 +175,24 @@ def projection_memory(heads: int, kv_heads: int, head_dim: int, tokens: int, ele
     return tokens * (q + 2 * kv + norms + rope) * element
 
 
+def attention_memory(heads: int, head_dim: int, tokens: int, rows: int, keys: int, element: int, split: bool) -> int:
+    """Bytes a ``layers.Attention`` layer's row-block attention of a prefill chunk holds at its
+    peak on the CPU (``layers.cached_attention``, ``rows`` query rows a block over up to ``keys``
+    keys), beside the cache: the rotated queries, the blocks' outputs and their concatenation
+    (three [tokens, heads x head_dim] tensors), a block's boolean mask (1 byte per row and key),
+    and per score the blocks' softmax chains in ``_cpu_attention``. One block's chain, measured
+    alone on MLX 0.32's CPU: 4.3 bytes in float32 (the mask and the softmax write over the scores'
+    buffer), 8.3 in bfloat16 (its scores, the float32 copy the softmax writes over, the cast
+    back). The row-block loop frees a block's buffers as its stream gets to it, so more than one
+    block's are alive: measured (``cached_attention`` alone, 4 to 32 query heads over 2 to 8 key
+    heads, 32- to 128-wide, 2031 to 8175 keys; with what else ran) 6.4-10.5 bytes a score float32
+    and 12.1-16.0 bfloat16 with the key heads on side streams, counted 8 and 14 (two blocks');
+    on one stream 14.1-16.6 and 23.2-28.4, counted 16 and 28. Qwen3.5's own attention keeps the
+    fitted ``SCORE_BYTES``, which count its projection as well."""
+    per_score = (8 if element == 4 else 2 * element + 10) * (1 if split else 2)
+    return rows * keys * (per_score * heads + 1) + 3 * tokens * heads * head_dim * element
+
+
 def experts_memory(tokens: int, hidden: int, experts: Tuple[int, int, int, int], element: int) -> int:
     """Bytes a ``layers.SparseMoe`` block holds for a prefill chunk at its peak: per token and expert
     slot (``experts``: top k, expert size, then the tensors of the expert's width and of the hidden
@@ -204,7 +222,9 @@ def prefill_working_memory(args, context: int, chunk: int, element: int, taps: L
     measured).
 
     A ``layers.Attention`` layer (``args.qk_norm`` set: every family but Qwen3.5, whose
-    attention term above counts its own queries) also peaks while it projects the chunk
+    attention term above counts its own queries) has its row blocks counted from its own tensors
+    (``attention_memory``: the Qwen3.5 fit put a tiny float32 Llama pair's estimate 22% over its run),
+    and also peaks while it projects the chunk
     (``projection_memory``) as its KV cache grows: mlx-lm's ``KVCache`` concatenates its buffer
     with zeros for the new rows, both alive beside the result: one full layer's cache at its new
     size (``regrown`` rows, 0 where the chunk did not reallocate a cache holding rows) on top of the
@@ -224,6 +244,8 @@ def prefill_working_memory(args, context: int, chunk: int, element: int, taps: L
     # Alive beside a layer's score blocks: its q_proj output (queries and output gate, 2 x heads x
     # head_dim), the rotated queries, and the blocks' outputs with their concatenation.
     attention = scores + 5 * c * args.num_attention_heads * args.head_dim * element if rows is not None else 0
+    if rows is not None and getattr(args, "qk_norm", None) is not None:  # layers.Attention: projection apart
+        attention = attention_memory(args.num_attention_heads, args.head_dim, c, rows, context, element, split)
     conv_dim = 2 * args.linear_num_key_heads * args.linear_key_head_dim + args.linear_num_value_heads * args.linear_value_head_dim
     gated_delta = CONV_BYTES * c * conv_dim if "linear_attention" in kinds else 0
     qk_norm = getattr(args, "qk_norm", None)
