@@ -15,6 +15,7 @@ import pytest
 
 from dflash_mlx import device, doctor, kernels, quantized
 from tests.metal_emulation import LOWEST_FIRST, EmulatedMetal, mutated_sources
+from tests.test_quantized_verify import recording
 
 M3 = device.DeviceFacts("Apple M3 Pro", "applegpu_g15s", True, 15, 18 * doctor.GiB, 12 * doctor.GiB)
 SMALL_HEADS = [(32, 2, 16, 4)]  # the emulator runs every GPU thread: keep the grid small
@@ -54,13 +55,6 @@ def quantized_model():
     model.set_dtype(mx.bfloat16)
     nn.quantize(model, group_size=32, bits=4)
     return model
-
-
-def recording(metal):
-    launches = []
-    real_run = metal.run
-    metal.run = lambda launch: launches.append(launch) or real_run(launch)
-    return launches
 
 
 def exact_bits(a) -> np.ndarray:
