@@ -299,10 +299,13 @@ FALLBACKS = {
     "gated_delta_tape": "mlx-lm's gated_delta kernel (prefill, decode and verify; a rollback recomputes the kept "
                         "steps from the saved state)",
     "tape_replay": "the pure-MLX replay",
-    "quantized_verify": "MLX's stock quantized_matmul (for every row count of the layers of this form)",
-    "quantized_verify_tile": "MLX's stock quantized_matmul (for every row count of the layers of this form)",
-    "quantized_verify_splash": "the tuner's next choice where it is timing (the per-row kernel, the tile or stock), else "
-                               "MLX's stock quantized_matmul (for every row count of the layers of this form)",
+    # Where the tuner asks (a routed layer's plan names its own next best: ``usable``'s ``fallback``).
+    "quantized_verify": "the tuner's next choice (another kernel of ours or stock) for every row count of the layers of "
+                        "this form",
+    "quantized_verify_tile": "the tuner's next choice (another kernel of ours or stock) for every row count of the layers "
+                             "of this form",
+    "quantized_verify_splash": "the tuner's next choice (another kernel of ours or stock) for every row count of the "
+                               "layers of this form",
     MLX_LM_KERNEL: "the pure-MLX recurrence",
 }
 
@@ -345,20 +348,24 @@ class MetalKernels:
         return self._metal_kernel(name=launch.kernel_id, input_names=list(input_names),
                                   output_names=list(output_names), source=kernel_source(launch.name))
 
-    def usable(self, launch: Launch, check: Optional[Callable[["MetalKernels", Launch], Optional[str]]] = None) -> bool:
+    def usable(self, launch: Launch, check: Optional[Callable[["MetalKernels", Launch], Optional[str]]] = None,
+               fallback: Optional[str] = None) -> bool:
         """Whether ``launch``'s kernel may run for its specialization and signature, self-checked
         on first use by ``check`` (None if the kernel matched its reference on a call of the same
-        signature, else what went wrong; the recurrence's check by default)."""
+        signature, else what went wrong; the recurrence's check by default). A failure warns once
+        per kernel saying what runs instead (``FALLBACKS``), or where the caller says it
+        (``fallback``: a routed layer's own next best), once per kernel and specialization."""
         key = (launch.name, launch.template, launch.signature)
         if key not in self.checks:
             self.checks[key] = self._guarded(check or _check_recurrence, launch) if self._self_check else None
             if self.checks[key] is not None:
                 self.failures += 1
-            if self.checks[key] is not None and launch.name not in self._warned:
-                self._warned.add(launch.name)
+            warned = launch.name if fallback is None else (launch.name, launch.template)
+            if self.checks[key] is not None and warned not in self._warned:
+                self._warned.add(warned)
                 warnings.warn(
                     f"dflash-mlx: the Metal kernel {describe(launch.name, launch.template, launch.signature)} failed its self-check "
-                    f"and is replaced by {FALLBACKS.get(launch.name, 'the pure-MLX reference')} for the rest of this "
+                    f"and is replaced by {fallback or FALLBACKS.get(launch.name, 'the pure-MLX reference')} for the rest of this "
                     f"process: {self.checks[key]}", RuntimeWarning, stacklevel=2,
                 )
         # A kernel that failed for one signature is not trusted for any other of its specialization:

@@ -27,7 +27,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional
 
@@ -201,20 +201,21 @@ def dtype_name(dtype: mx.Dtype) -> str:
 
 
 def form_usable(metal: kernels.MetalKernels, dtype: mx.Dtype, w: mx.array, scales: mx.array, biases: Optional[mx.array],
-                group_size: int, bits: int, mode: str, impl: str = OURS) -> bool:
+                group_size: int, bits: int, mode: str, impl: str = OURS, fallback: Optional[str] = None) -> bool:
     """Whether ``impl``'s kernel may run this layer (its arrays, activations of ``dtype``) at
     every row count: each of its specializations (the per-row kernel's accumulator counts 1, 2, 4,
     8, 16; the tiles' 8 and 16 rows) passed its self-check (``_check_quantized``) in the signature the
-    layer's calls have. One failing makes the layer stock at every row count, so that no layer runs
-    a kernel at some row counts and stock at others (the tuner, which asks this first, times and
-    offers only the kernels that pass)."""
+    layer's calls have. One failing takes the kernel from the layer at every row count, so that no
+    layer runs a kernel at some row counts and something else at others: the tuner, which asks this
+    first, times and offers only the kernels that pass; a routed layer takes its next best
+    (``QuantizedMatmuls.plan``; ``fallback``: what the warning says runs instead)."""
     K = w.shape[1] * 32 // bits
     return all(metal.usable(quantized_verify_launch(mx.zeros((rows, K), dtype=dtype), w, scales, biases, group_size, bits,
-                                                    mode, impl=impl), _check_quantized) for rows in BUCKETS[impl])
+                                                    mode, impl=impl), _check_quantized, fallback) for rows in BUCKETS[impl])
 
 
 class _Choices(dict):
-    """``QuantizedMatmuls.choices``: a dict that tells its owner when it changes, so that the
+    """``QuantizedMatmuls.choices`` (and ``timings``): a dict that tells its owner when it changes, so that the
     decisions made from it (``QuantizedMatmuls.plan``) are made again."""
 
     def __init__(self, entries, changed: Callable[[], None]):
@@ -286,13 +287,24 @@ class MatmulPlan:
         return metal.run(self.launch.launch(inputs))[0]
 
 
+def _instead(choice, shape: MatmulShape, timed: bool) -> str:
+    """What a warning says runs instead of a failing kernel on the layers of ``shape``."""
+    names = {**KERNEL_OF, STOCK: "MLX's stock quantized_matmul"}
+    what = str(choice) if isinstance(choice, Fastest) else f"{names[choice]} at every row count"
+    why = "the next best of their timings" if timed else "their choice was set without timings"
+    return f"{what} on the layers {shape.key()} ({why})"
+
+
 class QuantizedMatmuls:
     """Which implementation each quantized layer shape uses in this process: one for every row
     count 1..16 (``kernel``, per-row, or ``tile`` or ``splash`` where the tuner chose it, ``Timing.choice``, or
     ``choices`` say so), or where exactness cost more than ``EXACT_BUDGET`` and not ``exact``, the
     fastest at each row count (``Fastest``); stock everywhere else (shapes and modes the kernels
-    have no form for, forms that failed a self-check). Calls of more than 16 rows (prefill chunks)
-    run stock whatever the choice.
+    have no form for). Where a kernel of a shape's choice fails its self-check in this process
+    (a driver or MLX changed since the timings were saved), the layer takes the next best its
+    ``timings`` give by the tuner's rule (``Timing.choice_without``), stock last; a choice set
+    without timings then runs stock. Calls of more than 16 rows (prefill chunks) run stock
+    whatever the choice.
 
     What a call needs is decided once per layer, activation dtype and input shape (``plan``, kept by
     the routed layer) and decided again only when ``choices`` change or a self-check fails: a routed
@@ -301,11 +313,12 @@ class QuantizedMatmuls:
     """
 
     def __init__(self, metal: kernels.MetalKernels, choices: Optional[Dict[MatmulShape, str]] = None,
-                 exact: bool = False):
+                 exact: bool = False, timings: Optional[Dict[MatmulShape, "Timing"]] = None):
         self.metal = metal
         self.exact = exact  # --exact: the tuner's results decide one implementation per layer for every M
-        self.version = 0  # moves with every change of ``choices``
+        self.version = 0  # moves with every change of ``choices`` or ``timings``
         self.plans = 0  # how many plans were made (decisions taken): the tests count them
+        self.timings = dict(timings or {})  # what the choices were decided from: the next best where one fails
         self.choices = dict(choices or {})
 
     @property
@@ -317,18 +330,35 @@ class QuantizedMatmuls:
         self._choices = _Choices(choices, self._changed)
         self._changed()
 
+    @property
+    def timings(self) -> Dict[MatmulShape, "Timing"]:
+        return self._timings
+
+    @timings.setter
+    def timings(self, timings: Dict[MatmulShape, "Timing"]) -> None:
+        self._timings = _Choices(timings, self._changed)
+        self._changed()
+
     def _changed(self) -> None:
         self.version += 1
 
     @classmethod
     def for_this_process(cls, exact: bool = False) -> Optional["QuantizedMatmuls"]:
         """On an Apple GPU: the process's kernels and the choices cached for this device, decided
-        under ``exact`` (``DFLASH_MLX_KERNELS=reference`` turns the kernel off); elsewhere None."""
+        under ``exact``, with their timings (``from_cache``; ``DFLASH_MLX_KERNELS=reference`` turns
+        the kernel off); elsewhere None."""
         if os.environ.get(kernels.BACKEND_ENV, "auto") == "reference":
             return None
         if not (mx.default_device() == mx.gpu and mx.metal.is_available()):
             return None
-        return cls(kernels.process_metal_kernels(), TuningCache.for_this_device().choices(exact), exact)
+        return cls.from_cache(kernels.process_metal_kernels(), TuningCache.for_this_device(), exact)
+
+    @classmethod
+    def from_cache(cls, metal: kernels.MetalKernels, cache: "TuningCache", exact: bool = False) -> "QuantizedMatmuls":
+        """``metal`` with the cache's choices decided under ``exact`` and the timings they were
+        decided from (so that a choice failing its self-check gives way to the next best)."""
+        timings = {t.shape: t for t in cache.timings(exact)}
+        return cls(metal, {shape: t.choice for shape, t in timings.items()}, exact, timings)
 
     def chosen(self, shape: MatmulShape) -> bool:
         """Whether ``shape`` runs a kernel of ours at some row count."""
@@ -338,21 +368,23 @@ class QuantizedMatmuls:
     def plan(self, dtype: mx.Dtype, shape: tuple, w, scales, biases, group_size: int, bits: int, mode: str,
              always: bool = False) -> MatmulPlan:
         """The decision for calls with ``dtype`` activations of ``shape`` [.., K] against these
-        arrays: the implementation the choices give the layer's shape (``always``: a kernel whatever
-        the tuner measured, the per-row one unless another was chosen), stock where it has no form
-        or has not passed its self-checks at every row count (``form_usable``, which runs them on
-        first use), and the kernel's launch."""
+        arrays: the implementation the choices give the layer's shape at this row count
+        (``always``: a kernel whatever the tuner measured, the per-row one unless another was
+        chosen), stock where it has no form; where a kernel that choice runs at some row count has
+        not passed its self-checks at every row count (``form_usable``, which runs them on first
+        use), the next best (``_usable_choice``); and the kernel's launch."""
         self.plans += 1
         K, N = shape[-1], w.shape[0]
         rows = math.prod(shape[:-1])
         impl = None
         if 1 <= rows <= MAX_ROWS and kernel_supports(bits, group_size, mode):
-            choice = self.choices.get(MatmulShape(K, N, bits, group_size, mode, dtype_name(dtype)))
-            if isinstance(choice, Fastest):
-                choice = choice.at(rows)
-            impl = choice if choice in KERNEL_OF else OURS if always else None
-            if impl is not None and not form_usable(self.metal, dtype, w, scales, biases, group_size, bits, mode, impl):
-                impl = None
+            def usable(kernel: str, instead: str) -> bool:
+                return form_usable(self.metal, dtype, w, scales, biases, group_size, bits, mode, kernel, instead)
+
+            choice = self._usable_choice(MatmulShape(K, N, bits, group_size, mode, dtype_name(dtype)), usable)
+            impl = choice.at(rows) if isinstance(choice, Fastest) else choice
+            if impl not in KERNEL_OF:
+                impl = OURS if always and usable(OURS, "MLX's stock quantized_matmul") else None
         launch, placeholder = None, None
         if impl is not None:
             first = quantized_verify_launch(mx.zeros((rows, K), dtype=dtype), w, scales, biases, group_size, bits, mode,
@@ -361,6 +393,30 @@ class QuantizedMatmuls:
             placeholder = first.inputs[3] if biases is None else None
         # The stamp is read last: a check that failed while deciding is already in it.
         return MatmulPlan(impl, launch, K, N, rows, placeholder, self, self.version, self.metal.failures)
+
+    def _usable_choice(self, shape: MatmulShape, usable: Callable[[str, str], bool]):
+        """What layers of ``shape`` run (a name, ``Fastest`` or None): their choice where every
+        kernel it runs at some row count passes ``usable(kernel, what runs instead)``; else, where
+        the shape has timings, their next best without the failing kernels by the tuner's rule
+        under ``exact`` (``Timing.choice_without``: one implementation within the budget or under
+        ``exact``, else the fastest per row count; stock last), itself checked in turn. Every row
+        count asks about the same kernels, so a decode step and a verify block agree on which
+        failed. A choice set without timings runs stock where its kernel fails: nothing measured
+        ranks another kernel against stock there."""
+        choice = self.choices.get(shape)
+        timing = self.timings.get(shape)
+        failed: set = set()
+        for _ in KERNEL_OF:  # each round takes a failing kernel away: stock after the last
+            runs = choice.impls() if isinstance(choice, Fastest) else {choice}
+            for kernel in (impl for impl in KERNEL_OF if impl in runs):
+                instead = STOCK if timing is None else timing.choice_without(failed | {kernel}, self.exact)
+                if not usable(kernel, _instead(instead, shape, timing is not None)):
+                    failed.add(kernel)
+                    choice = instead
+                    break
+            else:
+                return choice
+        return STOCK
 
     def matmul(self, x: mx.array, w, scales, biases, group_size: int, bits: int, mode: str,
                always: bool = False) -> Optional[mx.array]:
@@ -658,6 +714,18 @@ class Timing:
             return next(iter(fastest.values()))
         return Fastest(tuple(sorted(fastest.items())))
 
+    def choice_without(self, failed: Iterable[str], exact: Optional[bool] = None):
+        """``choice`` as the tuner would have decided it had the ``failed`` kernels failed their
+        self-checks while it timed (not offered), under ``exact`` (this timing's own by default):
+        the next best, by the same rule, for a layer whose saved choice fails its self-check at
+        run time (``QuantizedMatmuls.plan``); stock where every kernel of ours failed."""
+        failed = set(failed)
+        if not failed <= set(KERNEL_OF):
+            raise ValueError(f"failed kernels must be among {sorted(KERNEL_OF)} (got {sorted(failed)})")
+        columns = {OURS: "kernel_s", TILE: "tile_s", SPLASH: "splash_s"}
+        return replace(self, exact=self.exact if exact is None else exact,
+                       **{columns[impl]: None for impl in failed}).choice
+
     @property
     def is_exact(self) -> bool:
         """Whether ``choice`` gives a verify row its decode step's bits: one kernel of ours, or
@@ -825,7 +893,9 @@ def tune_pair(matmuls: QuantizedMatmuls, models: Iterable[nn.Module], cache: Tun
     timings = tune(matmuls.metal, todo, measure, progress, stock_one=stock_one, exact=matmuls.exact) if todo else []
     if timings:
         cache.record(timings)
-    matmuls.choices.update(cache.choices(matmuls.exact))
+    saved = {t.shape: t for t in cache.timings(matmuls.exact)}
+    matmuls.timings.update(saved)  # beside the choices: a choice failing its self-check gives way to the next best
+    matmuls.choices.update({shape: t.choice for shape, t in saved.items()})
     for model in models:
         if hasattr(model, "use_quantized_matmuls"):
             model.use_quantized_matmuls(matmuls)

@@ -8,6 +8,8 @@ decisions they must give are worked out by hand below, not by the code under tes
 
 from __future__ import annotations
 
+import warnings
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -306,8 +308,9 @@ def test_the_tuner_routes_the_splash_kernel_where_it_measured_fastest(tmp_path):
 def test_a_splash_kernel_failing_its_self_check_gives_way_to_the_next(tmp_path):
     """A Splash kernel that drops the bias fails its self-check while the tuner asks: it is not timed
     (its column says "failed"), each layer takes the next (the tile: 4.0 against the per-row
-    kernel's 5.0), with one warning naming the Splash kernel. A layer whose saved choice is Splash
-    (timed where it passed) runs stock at every row count instead, bit for bit stock's result."""
+    kernel's 5.0), with one warning naming the Splash kernel. A layer whose choice is Splash set
+    without timings (nothing measured ranks the others against stock) runs stock at every row count
+    instead, bit for bit stock's result; with its timings it takes their next best (below)."""
     from tests.test_splash import MUTATIONS
 
     broken = mutated_sources(quantized.SPLASH_KERNEL, *MUTATIONS["bias dropped"])
@@ -334,6 +337,142 @@ def test_a_splash_kernel_failing_its_self_check_gives_way_to_the_next(tmp_path):
     launches.clear()
     np.testing.assert_array_equal(exact_bits(layer(x[:1])), exact_bits(stock[:1]))
     assert launches == []  # no kernel at M = 1 either
+
+
+# ---- A saved choice failing its self-check at run time (a driver changed since the timings) ----
+# Stand-in timings saved for every layer, seconds per call at M = 1, 2, 4, 8, 16: stock 3.0 (0.2 at
+# M = 1-2 on the 64-column layer), the per-row kernel 1.0, the tile 0.8, Splash 0.5. Worked out by
+# hand: Splash is the exact choice (2.5) and fastest everywhere but at M = 1-2 on N = 64 (fastest
+# 0.4 + 1.5 = 1.9, exact costs 32%): saved "splash", and on N = 64 without --exact "fastest: stock
+# M=1-2, splash M=3-16". Without Splash: the tile (4.0 against 5.0), fastest everywhere but there
+# (0.4 + 2.4 = 2.8, exact costs 43%): "fastest: stock M=1-2, tile M=3-16" without --exact, the tile at
+# every M with it. Without Splash and the tile: the per-row kernel (5.0; on N = 64 fastest 0.4 + 3.0 =
+# 3.4, 47%). Without all three: stock.
+def saved_timings(tmp_path, layers):
+    def at(value, low=None):
+        return {m: (low if low is not None and m <= 2 else value) for m in quantized.TUNED_ROWS}
+
+    cache = quantized.TuningCache(tmp_path / "tuning.json", "emulated M3")
+    cache.record(quantized.Timing(s, at(3.0, 0.2 if s.N == 64 else None), at(1.0), at(0.8), None, False, at(0.5))
+                 for s in layers)
+    return quantized.TuningCache(tmp_path / "tuning.json", "emulated M3")
+
+
+def by_hand(kernel, x, layer):
+    """``layer(x)`` through the per-row or tile kernel's shipped source launched by hand (template
+    and grid written here from the .metal files' parameters, not by ``quantized``)."""
+    M, K = x.shape
+    N = layer["weight"].shape[0]
+    per_row = kernel == quantized.KERNEL
+    rows = next(r for r in ((1, 2, 4, 8, 16) if per_row else (8, 16)) if M <= r)
+    launch = kernels.Launch(kernel, (x, layer["weight"], layer["scales"], layer["biases"], M, K, N),
+                            (("OutT", mx.bfloat16), ("Rows", rows), ("bits", 4), ("group_size", 32), ("Mode", 0)),
+                            grid=(32, -(-N // 4), 1) if per_row else (32, 4 * -(-N // 32), 1), output_shapes=((M, N),),
+                            output_dtypes=(mx.bfloat16,))
+    return exact_bits(kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST), self_check=False).run(launch)[0])
+
+
+def ran_on(layer, launches):
+    """The kernels and row forms launched on ``layer``'s weights (not the self-checks' layers)."""
+    return [(launch.name, dict(launch.template)["Rows"]) for launch in launches if launch.inputs[1] is layer["weight"]]
+
+
+def self_check_warnings(caught):
+    return [str(w.message) for w in caught if "failed its self-check" in str(w.message)]
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "budget"])
+def test_a_saved_choice_failing_its_self_check_at_run_time_gives_way_to_the_next_best(tmp_path, exact):
+    """Timings saved where Splash passed (above); in this process it drops the bias and fails its
+    self-check. Each layer then runs what the timings give without it, by the tuner's rule: under
+    --exact the tile at every row count (N = 64 too: not stock at M = 1-2), else the tile, and on
+    N = 64 stock at M = 1-2 and the tile above. Checked through the kernels each call launched and
+    their bits: the tile kernel's own, launched by hand, on cancelling rows (where the per-row kernel
+    and stock round differently); stock's own at M = 1 on N = 64. One warning, naming the Splash
+    specialization and what the first layer runs instead; one plan per layer and row count."""
+    from tests.test_splash import MUTATIONS
+
+    model, x = cancelling_model_and_rows()
+    cache = saved_timings(tmp_path, quantized.layers_of([model]))
+    metal = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST, mutated_sources(quantized.SPLASH_KERNEL,
+                                                                              *MUTATIONS["bias dropped"])))
+    matmuls = quantized.QuantizedMatmuls.from_cache(metal, cache, exact)
+    splash, tile, stock = quantized.SPLASH, quantized.TILE, quantized.STOCK
+    saved_64 = splash if exact else quantized.Fastest(((1, stock), (2, stock), (4, splash), (8, splash), (16, splash)))
+    assert {s.N: c for s, c in matmuls.choices.items()} == {24: splash, 40: splash, 64: saved_64}
+    quantized.route(model, matmuls)
+    launches = recording(metal)
+    widest = model.layers[2]  # first: the warning names its next best
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):  # the second round: the plans kept, no check again
+            for layer in (widest, *model.layers[:2]):
+                N = layer["weight"].shape[0]
+                for M in (1, 5, 12):
+                    launches.clear()
+                    y = exact_bits(layer(x[:M]))
+                    ran = ran_on(layer, launches)
+                    if N == 64 and M == 1 and not exact:
+                        stock_y = mx.quantized_matmul(x[:1], layer["weight"], layer["scales"], layer["biases"],
+                                                      transpose=True, group_size=32, bits=4)
+                        assert ran == [] and np.array_equal(y, exact_bits(stock_y)), (N, M)
+                    else:
+                        assert ran == [(quantized.TILE_KERNEL, 8 if M <= 8 else 16)], (N, M, ran)
+                        np.testing.assert_array_equal(y, by_hand(quantized.TILE_KERNEL, x[:M], layer), err_msg=f"{N} {M}")
+    warned = self_check_warnings(caught)
+    instead = "quantized_verify_tile at every row count" if exact else "fastest: stock M=1-2, tile M=3-16"
+    assert len(warned) == 1 and "quantized_verify_splash bfloat16 bfloat16 Mat=2 Rows=8" in warned[0], warned
+    assert f"replaced by {instead} on the layers affine4 gs32 K64 N64 bfloat16 (the next best of their timings)" in warned[0]
+    assert matmuls.plans == 9  # three layers at three row counts, each decided once
+    # The tile's bits are not the per-row kernel's or stock's here: the comparisons above can tell.
+    layer = model.layers[0]
+    tile_y = by_hand(quantized.TILE_KERNEL, x, layer)
+    assert not np.array_equal(tile_y, by_hand(quantized.KERNEL, x, layer))
+    assert not np.array_equal(tile_y, exact_bits(mx.quantized_matmul(x, layer["weight"], layer["scales"], layer["biases"],
+                                                                       transpose=True, group_size=32, bits=4)))
+
+
+def test_saved_kernels_failing_one_after_another_end_on_stock(tmp_path):
+    """The same saved timings under --exact. Splash and the tile broken: the layers run the per-row
+    kernel at every row count (its own bits, launched by hand), one warning each naming what runs
+    instead (the tile for Splash, the per-row kernel for the tile). All three broken: stock at every
+    row count, bit for bit stock's, the per-row kernel's warning naming stock."""
+    from tests.test_quantized_tile import TILE_MUTATIONS
+    from tests.test_quantized_verify import MUTATIONS as ROW_MUTATIONS
+    from tests.test_splash import MUTATIONS
+
+    model, x = cancelling_model_and_rows()
+    quantized.route(model, None)  # routed layers, pointed at each process's matmuls below
+    layer = model.layers[1]
+    cache = saved_timings(tmp_path, quantized.layers_of([model]))
+    broken = {**mutated_sources(quantized.SPLASH_KERNEL, *MUTATIONS["bias dropped"]),
+              **mutated_sources(quantized.TILE_KERNEL, *TILE_MUTATIONS["bias dropped"])}
+    everything = {**broken, **mutated_sources(quantized.KERNEL, *ROW_MUTATIONS["bias dropped"])}
+    stock_y = exact_bits(mx.quantized_matmul(x, layer["weight"], layer["scales"], layer["biases"], transpose=True,
+                                             group_size=32, bits=4))
+    for sources, runs in ((broken, quantized.KERNEL), (everything, None)):
+        metal = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST, sources))
+        quantized.route(model, quantized.QuantizedMatmuls.from_cache(metal, cache, exact=True))
+        launches = recording(metal)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for M in (1, 12):
+                launches.clear()
+                y = exact_bits(layer(x[:M]))
+                if runs is None:
+                    assert ran_on(layer, launches) == [] and np.array_equal(y, stock_y[:M]), M
+                else:
+                    assert ran_on(layer, launches) == [(runs, 1 if M == 1 else 16)]
+                    np.testing.assert_array_equal(y, by_hand(runs, x[:M], layer))
+        warned = self_check_warnings(caught)
+        expected = [("quantized_verify_splash", "quantized_verify_tile"), ("quantized_verify_tile", "quantized_verify")]
+        if runs is None:
+            expected.append(("quantized_verify ", "MLX's stock quantized_matmul"))
+        assert len(warned) == len(expected), warned
+        for message, (kernel, instead) in zip(warned, expected):
+            assert f"kernel {kernel}" in message and f"replaced by {instead} at every row count on the layers " \
+                   f"affine4 gs32 K64 N40 bfloat16" in message, message
+    assert not np.array_equal(by_hand(quantized.KERNEL, x, layer), stock_y)  # the two can be told apart
 
 
 def test_timings_saved_before_the_splash_column_still_load(tmp_path):
