@@ -536,7 +536,7 @@ def _tuning_summary(report: Report, exact: bool, where: str, fix: str) -> None:
                f"{count[quantized.STOCK]} stock, each one kernel at every row count (exact), {fastest} the fastest at "
                f"each row count (not exact: divergence only at the target's top-2 near-ties, `bench` reports them"
                + (f"; {splash_fastest} of them the Splash kernel at some row counts" if splash_fastest else "")
-               + f"); layers with a kernel run uncompiled; {where}"
+               + f"); layers with a kernel compile once their kernels are decided; {where}"
                + (f"; the Splash kernel not timed for {untimed} of the {len(report.tuning)} shapes (timings from before "
                   f"it: `--tune` times it)"
                   if untimed else "")

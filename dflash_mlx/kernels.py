@@ -334,6 +334,17 @@ class MetalKernels:
         self.failures = 0
         self.builds = 0  # kernel objects built (``metal_kernel`` calls)
 
+    @property
+    def traceable(self) -> bool:
+        """Whether ``mx.compile`` can trace a call of these kernels: MLX's own ``metal_kernel``
+        (a primitive like any other), or a stand-in that says so (``traceable = True``). The
+        emulator runs a kernel on the host when it is called, which no trace can hold."""
+        return bool(getattr(self._metal_kernel, "traceable", self._metal_kernel is mx.fast.metal_kernel))
+
+    def stamp(self) -> int:
+        """What the decisions resting on the self-checks depend on (``CompiledAfterChecks``)."""
+        return self.failures
+
     def run(self, launch: Launch) -> List[mx.array]:
         """``launch`` (a ``Launch`` or a ``PlannedLaunch``) through its kernel, built on first use."""
         kernel = self._built.get(launch.kernel_id)
@@ -414,6 +425,41 @@ class MetalKernels:
         """Each checked specialization and signature: ``"ok"`` or its failure (``dflash-mlx doctor``)."""
         return {describe(name, template, signature): "ok" if failure is None else failure
                 for (name, template, signature), failure in self.checks.items()}
+
+
+class CompiledAfterChecks:
+    """``mx.compile(function)`` for a function that may run our kernels, once what it runs is decided.
+
+    Which kernel a call runs is decided in Python on its first call at a shape: a self-check
+    evaluates (``MetalKernels.usable``), a layer makes its plan (``quantized.MatmulPlan``). A
+    compile trace can do neither. So the first call at each input shape under a ``stamp()`` builds
+    the plain graph and drops it unevaluated, which takes every decision; that call and every later
+    one then run the compiled function, which traces the kernels (MLX primitives on a Mac) with
+    those decisions and fuses the norms, RoPE and activations around them. Every result comes from
+    the compiled function, so a shape's first call and its later ones round alike. A new stamp (a
+    check failed, the tuner's choices changed) starts a new compiled function: the old one embeds
+    the old decisions."""
+
+    def __init__(self, function: Callable, inputs, stamp: Callable[[], Any]):
+        self.function, self.inputs, self.stamp = function, inputs, stamp
+        self._stamp: Any = None
+        self._compiled: Optional[Callable] = None
+        self._decided: set = set()  # the input shapes and dtypes decided under ``_stamp``
+        self.compilations = 0  # compiled functions started (a test counts them)
+
+    def __call__(self, *args):
+        key = tuple((a.shape, a.dtype) if isinstance(a, mx.array) else a for a in args)
+        stamp = self.stamp()
+        while stamp != self._stamp or key not in self._decided:
+            if stamp != self._stamp:
+                self._stamp, self._decided = stamp, set()
+                self._compiled = mx.compile(self.function, inputs=self.inputs)
+                self.compilations += 1
+            self.function(*args)  # decides; the graph is never evaluated
+            decided, stamp = stamp, self.stamp()
+            if stamp == decided:  # no check failed while deciding: these decisions hold
+                self._decided.add(key)
+        return self._compiled(*args)
 
 
 def describe(name: str, template: tuple, signature: Optional[tuple] = None) -> str:
@@ -532,7 +578,8 @@ class Recurrence:
 
     def mode(self, k_head_dim: int, k_heads: int, v_head_dim: int, v_heads: int) -> str:
         """``"metal"``, ``"chunked"`` or ``"reference"`` for these head shapes. Callers that
-        compile around the recurrence key their compiled graph on it (Metal runs uncompiled)."""
+        compile around the recurrence key their compiled graph on it (on Metal, once its
+        kernels are decided: ``CompiledAfterChecks``)."""
         if self.metal is not None and metal_supports(k_head_dim, k_heads, v_head_dim, v_heads):
             return "metal"
         return "chunked" if self.chunked else "reference"

@@ -342,6 +342,15 @@ class QuantizedMatmuls:
     def _changed(self) -> None:
         self.version += 1
 
+    @property
+    def traceable(self) -> bool:
+        """Whether a layer running these kernels may be compiled (``kernels.CompiledAfterChecks``)."""
+        return self.metal.traceable
+
+    def stamp(self) -> tuple:
+        """What every plan rests on: the choices and the self-checks' failures."""
+        return self.version, self.metal.failures
+
     @classmethod
     def for_this_process(cls, exact: bool = False) -> Optional["QuantizedMatmuls"]:
         """On an Apple GPU: the process's kernels and the choices cached for this device, decided
@@ -529,11 +538,12 @@ def route(model: nn.Module, matmuls: Optional[QuantizedMatmuls]) -> int:
 
 
 def route_layers(model: nn.Module, layers, matmuls: Optional[QuantizedMatmuls]) -> None:
-    """``route`` the model, and mark each of ``layers`` eager where it may now run the kernel
-    (a layer's ``eager`` attribute: the layer then runs uncompiled)."""
+    """``route`` the model, and give each of ``layers`` the matmuls whose kernels may now run inside
+    it (its ``kernel_matmuls``, else None): such a layer compiles only once its calls' kernels are
+    decided (``kernels.CompiledAfterChecks``), and not at all where they cannot be traced."""
     route(model, matmuls)
     for layer in layers:
-        layer.eager = routes_to_metal(layer)
+        layer.kernel_matmuls = matmuls if routes_to_metal(layer) else None
 
 
 def _shape(layer: nn.Module, dtype: Optional[mx.Dtype] = None) -> MatmulShape:
@@ -545,9 +555,9 @@ def _shape(layer: nn.Module, dtype: Optional[mx.Dtype] = None) -> MatmulShape:
 def routes_to_metal(model: nn.Module) -> bool:
     """Whether some layer of ``model`` may run the Metal kernel: a routed layer whose shape chose it
     (at its scales' dtype or float32, the draft's activations on M1/M2), or a mixture-of-experts
-    router, which takes it whatever the tuner chose (``kernel_rows``). Such a layer cannot be
-    compiled: the kernel is dispatched from Python, as the emulator that tests it must be. Layers
-    where stock won stay compiled."""
+    router, which takes it whatever the tuner chose (``kernel_rows``). Such a layer is compiled
+    only after its first call at each shape has decided its kernels (``kernels.CompiledAfterChecks``),
+    and not at all where the kernels cannot be traced (the emulator runs them on the host)."""
     for _, m in model.named_modules():
         if isinstance(m, (QuantizedLinear, QuantizedEmbedding)) and m.matmuls is not None:
             if kernel_supports(m.bits, m.group_size, m.mode) and any(
@@ -578,8 +588,7 @@ def shapes_of(models: Iterable[nn.Module], dtype: Optional[mx.Dtype] = None) -> 
 # The row counts the tuner times (the largest of each accumulator count): one decision for 1..16.
 TUNED_ROWS = (1, 2, 4, 8, 16)
 # Where stock is one row-independent kernel for every row count, a kernel of ours runs a shape only
-# if it is this much faster than stock over the timed row counts (its layer then runs uncompiled,
-# and timings carry noise).
+# if it is this much faster than stock over the timed row counts (timings carry noise).
 MARGIN = 0.05
 
 
@@ -885,8 +894,9 @@ class TuningCache:
 def tune_pair(matmuls: QuantizedMatmuls, models: Iterable[nn.Module], cache: TuningCache, everything: bool = False,
               measure=batch_time, progress=None, stock_one=None) -> List[Timing]:
     """Times the pair's shapes the cache lacks (all of them with ``everything``), records them,
-    makes ``matmuls`` use the results (under its ``exact``), and routes the models again so that
-    only the layers whose kernel won run uncompiled. Returns the new timings."""
+    makes ``matmuls`` use the results (the choices under its ``exact``, and the timings beside them
+    for a choice that fails its self-check later), and routes the models again so that
+    only the layers whose kernel won run it. Returns the new timings."""
     models = list(models)
     layers = layers_of(models)
     todo = layers if everything else {s: layers[s] for s in cache.missing(layers)}

@@ -665,7 +665,7 @@ def test_prefix_cache_reuse_in_a_batch(pair_model):
 
 @pytest.mark.slow  # every kernel call runs in the C++ emulator
 def test_a_batch_on_the_emulated_metal_path(tmp_path):
-    """The target as a Mac runs it (Gated DeltaNet layers uncompiled, every recurrence and replay
+    """The target as a Mac runs it (Gated DeltaNet layers on the kernels, every recurrence and replay
     through the Metal kernels, here the emulator; a GPU's batch rules: two rows at least, a draft
     call per sequence): the batch's recurrence runs B rows in one kernel call, each sequence still
     as alone, bit for bit, and as the target alone."""

@@ -1,9 +1,10 @@
 """The engine on the emulated Mac path.
 
-The target is loaded the way it runs on an Apple GPU: its Gated DeltaNet layers uncompiled in the
-``metal`` recurrence mode, every recurrence and replay dispatched by ``kernels.MetalKernels``
-through ``mx.fast.metal_kernel``'s signature, here the emulator's stand-in (the shipped ``.metal``
-sources compiled as C++). The lossless tests run on that path for float32 and bfloat16
+The target is loaded the way it runs on an Apple GPU: its Gated DeltaNet layers in the ``metal``
+recurrence mode (run plain here: the emulator runs a kernel on the host, which ``mx.compile`` cannot
+trace; tests/test_compiled_kernels.py covers the compiled form), every recurrence and replay
+dispatched by ``kernels.MetalKernels`` through ``mx.fast.metal_kernel``'s signature, here the
+emulator's stand-in (the shipped ``.metal`` sources compiled as C++). The lossless tests run on that path for float32 and bfloat16
 checkpoints (each test on one: the kernels' dtypes are compared with the reference one by one in
 ``test_kernels``; bfloat16 where outputs are checked, float32 where caches are compared to a tight
 tolerance); mutated kernels make them fail; a kernel that fails its self-check falls back.
@@ -266,7 +267,7 @@ def quantized_mac_pair(path, draft_dir, bits, sources=None, self_check=True, imp
     matmuls = quantized.QuantizedMatmuls(metal, {s: impl or quantized.OURS for s in shapes})
     target.use_quantized_matmuls(matmuls)
     draft.use_quantized_matmuls(matmuls)
-    assert all(layer.eager for layer in target.layers) and all(layer.eager for layer in draft.layers)
+    assert all(layer.kernel_matmuls is not None for layer in [*target.layers, *draft.layers])
     return target, draft, metal
 
 

@@ -293,7 +293,7 @@ def qwen3_mac_pair(path, draft_dir, sources=None, self_check=True):
     matmuls = quantized.QuantizedMatmuls(metal, {s: quantized.OURS for s in shapes})
     target.use_quantized_matmuls(matmuls)
     draft.use_quantized_matmuls(matmuls)
-    assert all(layer.eager for layer in target.layers) and all(layer.eager for layer in draft.layers)
+    assert all(layer.kernel_matmuls is not None for layer in [*target.layers, *draft.layers])
     return target, draft, metal
 
 

@@ -401,11 +401,11 @@ def test_load_routes_the_pair_through_the_cached_choices(tmp_path, monkeypatch):
     cache.record([quantized.Timing(s, {1: 2.0}, {1: 1.0}) for s in quantized.shapes_of([plain.target, plain.draft])])
     metal = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST))
     routed, _ = api.load("demo", draft_quant="w4", matmuls=quantized.QuantizedMatmuls(metal))
-    assert quantized.routes_to_metal(routed.draft) and all(layer.eager for layer in routed.draft.layers)
+    assert quantized.routes_to_metal(routed.draft) and all(layer.kernel_matmuls is not None for layer in routed.draft.layers)
     assert set(routed.matmuls.choices.values()) == {quantized.OURS}
     where_stock_won = quantized.QuantizedMatmuls(metal, {s: quantized.STOCK for s in routed.matmuls.choices})
     quantized.route_layers(plain.draft, plain.draft.layers, where_stock_won)
-    assert not any(layer.eager for layer in plain.draft.layers)  # compiled: nothing of theirs runs the kernel
+    assert not any(layer.kernel_matmuls for layer in plain.draft.layers)  # compiled: nothing of theirs runs the kernel
     quantized.route_layers(plain.draft, plain.draft.layers, None)
     prompt = "def fib(n):"
     texts = [api.generate(m, tokenizer, prompt, max_tokens=12, block_tokens=4) for m in (plain, routed)]

@@ -163,11 +163,11 @@ def test_only_decode_and_verify_lengths_are_compiled(hf_target_dir):
     for length in (17, 23, 40, 80):
         asked.clear()
         target(ids[None, :length])
-        assert set(asked) == {"metal"}, length  # "metal": the plain functions, nothing traced
+        assert set(asked) == {"plain"}, length  # the plain functions, nothing traced
     for length in (1, 4, COMPILED_TOKENS):
         asked.clear()
         target(ids[None, :length])
-        assert "metal" not in asked and set(asked) <= {"attention", "chunked", "reference"}, length
+        assert "plain" not in asked and set(asked) <= {"attention", "chunked", "reference"}, length
     cache = target.make_cache()
     target(ids[None, :40], cache)
     stepped = target(ids[None, 40:41], cache)

@@ -123,7 +123,8 @@ kernel_checks() {
   [ "$metal" = 1 ] || echo "no Metal GPU here: the Apple-GPU tests are skipped (doctor's self-checks say the same)"
   # The same files as .github/workflows/macos-metal.yml's APPLE_GPU_TESTS (a test keeps them equal).
   "$python" -m pytest -v -rs -p no:cacheprovider tests/test_mac_path.py tests/test_kernels.py \
-    tests/test_quantized_tile.py tests/test_doctor.py tests/test_splash.py -k apple_gpu --junitxml="$out/kernel-checks.xml"
+    tests/test_quantized_tile.py tests/test_doctor.py tests/test_splash.py tests/test_compiled_kernels.py \
+    -k apple_gpu --junitxml="$out/kernel-checks.xml"
 }
 
 {

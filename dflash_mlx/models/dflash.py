@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten
 from .. import quantized
 from ..quant import parse_quant
 from ..sampling import Sampler, propose
-from .layers import MLP, attention, side_streams, submit_layer
+from .layers import MLP, attention, compiled_pieces, side_streams, submit_layer
 
 
 def evenly_spaced_layer_ids(num_target_layers: int, num_draft_layers: int) -> List[int]:
@@ -387,7 +387,7 @@ class DraftLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self._before_attention = self._after_attention = None  # compiled on first use
-        self.eager = False  # a quantized matmul may run the Metal kernel: not compiled
+        self.kernel_matmuls = None  # where a quantized matmul may run the Metal kernel (route_layers)
 
     def __call__(self, x, rope, cache):
         before, after = self._compiled(rope)
@@ -414,14 +414,11 @@ class DraftLayer(nn.Module):
 
         A cycle on MLX's CPU backend costs per operation more than per FLOP; fusing the norms,
         RoPE and activations removes most of the draft's operations. The attention itself stays
-        outside: its key count grows every cycle."""
+        outside: its key count grows every cycle. Where a kernel of ours may run inside, compiled
+        once it is decided (``compiled_pieces``)."""
         if self._before_attention is None:
-            before, after = self._functions(rope)
-            if self.eager:
-                self._before_attention, self._after_attention = before, after
-            else:
-                self._before_attention = mx.compile(before, inputs=self.state)
-                self._after_attention = mx.compile(after, inputs=self.state)
+            self._before_attention, self._after_attention = compiled_pieces(
+                self._functions(rope), self.state, [self.kernel_matmuls])
         return self._before_attention, self._after_attention
 
 
@@ -470,7 +467,7 @@ class DFlashDraft(nn.Module):
 
     def use_quantized_matmuls(self, matmuls: Optional[quantized.QuantizedMatmuls]) -> "DFlashDraft":
         """Route the draft's quantized layers through ``matmuls`` (the verify kernel on Metal);
-        layers that may then run the kernel are no longer compiled."""
+        layers that may then run the kernel compile once it is decided."""
         quantized.route_layers(self, self.layers, matmuls)
         for layer in self.layers:
             layer._before_attention = layer._after_attention = None  # rebuilt, compiled or not

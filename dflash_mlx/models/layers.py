@@ -14,7 +14,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from .. import quantized
+from .. import kernels, quantized
 from ..cache import WindowCache
 from ..checkpoint_files import text_part
 
@@ -168,6 +168,25 @@ def _cpu_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: f
 
 # The longest input a layer runs compiled: every decode and verify pass (blocks of up to 16).
 COMPILED_TOKENS = 16
+
+
+def compiled_pieces(pieces: Sequence, inputs, deciders: Sequence = ()) -> tuple:
+    """A layer's functions for decode and verify lengths, compiled (``inputs``: the layer's state).
+    ``deciders``: what decides the kernels of ours that may run inside (a ``QuantizedMatmuls``, a
+    ``MetalKernels``): the functions then compile once those decisions are taken
+    (``kernels.CompiledAfterChecks``), and stay plain where a kernel cannot be traced (the emulator
+    runs kernels on the host)."""
+    deciders = [d for d in deciders if d is not None]
+    if not deciders:
+        return tuple(mx.compile(f, inputs=inputs) for f in pieces)
+    if not all(d.traceable for d in deciders):
+        return tuple(pieces)
+
+    def stamp():
+        return tuple(d.stamp() for d in deciders)
+
+    return tuple(kernels.CompiledAfterChecks(f, inputs, stamp) for f in pieces)
+
 
 # Prefill attention off the GPU. MLX's CPU attention (mx.fast.scaled_dot_product_attention falls
 # back to plain operations there) materialises the scores (several [heads, queries, keys] arrays)
@@ -355,8 +374,9 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     """A pre-norm transformer layer: RMSNorm -> attention -> residual -> RMSNorm -> ``mlp`` (SwiGLU
     or a mixture of experts) -> residual. Compiled on either side of the attention for decode and
-    verify lengths (up to ``COMPILED_TOKENS``), as Qwen3.5's attention layers are; a prefill chunk
-    and a layer that may run the Metal verify kernel (``eager``) run the plain functions."""
+    verify lengths (up to ``COMPILED_TOKENS``), as Qwen3.5's attention layers are, once the kernels
+    of a layer that may run the Metal verify kernel (``kernel_matmuls``) are decided
+    (``compiled_pieces``); a prefill chunk runs the plain functions."""
 
     is_linear = False  # no Gated DeltaNet: its cache is a KV cache, its rollback a trim
 
@@ -368,17 +388,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(hidden_size, eps=eps)
         # Compiled forms per mode (a dict set the plain way would become a child of the module tree).
         object.__setattr__(self, "_compiled", {})
-        self.eager = False  # set by quantized.route_layers
+        self.kernel_matmuls = None  # set by quantized.route_layers where a kernel of ours may run inside
         self.resolve_mode()
 
     def resolve_mode(self) -> None:
-        """``metal`` where a quantized matmul may run the Metal kernel (nothing compiled), else
-        ``attention`` (compiled)."""
-        self.mode = "metal" if self.eager else "attention"
+        """``kernels`` where a quantized matmul may run the Metal kernel, else ``attention``; the
+        compiled forms are made again (the deciders may have changed)."""
+        self.mode = "kernels" if self.kernel_matmuls is not None else "attention"
+        self._compiled.clear()
 
     def __call__(self, x: mx.array, cache=None, record_tape: bool = False) -> mx.array:
         # record_tape: nothing to record, a KV cache rolls back by trimming.
-        mode = self.mode if x.shape[1] <= COMPILED_TOKENS else "metal"
+        mode = self.mode if x.shape[1] <= COMPILED_TOKENS else "plain"
         before, after = self._pieces(mode)
         queries, keys, values = before(x, mx.array(0) if cache is None else mx.array(cache.offset))
         return after(x, self.self_attn.attend(queries, keys, values, cache))
@@ -386,7 +407,8 @@ class DecoderLayer(nn.Module):
     def _pieces(self, mode: str):
         if mode not in self._compiled:
             pieces = (self._project, self._output)
-            self._compiled[mode] = pieces if mode == "metal" else tuple(mx.compile(f, inputs=self.state) for f in pieces)
+            self._compiled[mode] = pieces if mode == "plain" else compiled_pieces(pieces, self.state,
+                                                                                  [self.kernel_matmuls])
         return self._compiled[mode]
 
     def _project(self, x, offset):
@@ -491,7 +513,7 @@ class TargetModel(nn.Module):
 
     def use_quantized_matmuls(self, matmuls: Optional[quantized.QuantizedMatmuls]) -> "TargetModel":
         """Route every quantized layer through ``matmuls`` (the verify kernel on Metal); the layers
-        that may then run the kernel are no longer compiled."""
+        that may then run the kernel compile once it is decided."""
         quantized.route_layers(self, self.layers, matmuls)
         for layer in self.layers:
             layer.resolve_mode()

@@ -16,7 +16,7 @@ from mlx_lm.models.cache import KVCache
 
 from .. import kernels
 from ..cache import GatedDeltaCache, GatedDeltaTape
-from .layers import MLP, TargetModel, cached_attention, config_params
+from .layers import MLP, TargetModel, cached_attention, compiled_pieces, config_params
 # Where they were first defined; kept importable from here (doctor, tests).
 from .layers import COMPILED_TOKENS, SCORE_ELEMENTS, SCORE_ROWS_ALIGN, attention_rows  # noqa: F401
 
@@ -267,27 +267,36 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = ZeroCentredRMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = ZeroCentredRMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = mlp if mlp is not None else dense_mlp(args)  # a mixture of experts in qwen3_5_moe
-        # Compiled forms per mode (see _pieces), whether a quantized matmul of the layer may run
-        # the Metal kernel (quantized.route_layers), and the mode those settle on: attributes,
-        # resolved when the model is set up (Model.use_recurrence, use_quantized_matmuls).
+        # Compiled forms per mode (see _pieces), the matmuls whose kernels may run in the layer
+        # (quantized.route_layers), and the mode those settle on: attributes, resolved when the
+        # model is set up (Model.use_recurrence, use_quantized_matmuls).
         # A dict set the plain way would become a child of the module tree (nn.Module stores dicts,
         # lists and arrays as parameters): the one module attribute that needs object.__setattr__.
         object.__setattr__(self, "_compiled", {})
-        self.eager = False
+        self.kernel_matmuls = None
         self.resolve_mode()
 
+    def _deciders(self) -> list:
+        """What decides the kernels of ours that may run in this layer: its routed matmuls, and
+        the recurrence's kernels where they run it."""
+        recurrence = self.is_linear and self.linear_attn.recurrence_mode() == "metal"
+        return [d for d in (self.kernel_matmuls, recurrence and self.linear_attn.recurrence.metal) if d]
+
     def resolve_mode(self) -> None:
-        """``metal`` where a kernel runs inside (nothing compiled), else the recurrence variant
-        for Gated DeltaNet (compiled graphs embed the one they traced) or ``attention``."""
-        metal = self.eager or (self.is_linear and self.linear_attn.recurrence_mode() == "metal")
-        mode = "metal" if metal else self.linear_attn.recurrence_mode() if self.is_linear else "attention"
-        self.mode = mode
+        """``kernels`` where a kernel of ours may run inside (compiled once decided), else the
+        recurrence variant for Gated DeltaNet (compiled graphs embed the one they traced) or
+        ``attention``; the compiled forms are made again (the deciders may have changed)."""
+        if self._deciders():
+            self.mode = "kernels"
+        else:
+            self.mode = self.linear_attn.recurrence_mode() if self.is_linear else "attention"
+        self._compiled.clear()
 
     def __call__(self, x, cache=None, record_tape: bool = False):
         # Compiled graphs are traced per input shape: only decode and verify lengths (at most
         # COMPILED_TOKENS) are compiled, so prefill chunks of any length add no trace. A chunk
         # that long is matmul-bound, where compiling saves nothing.
-        mode = self.mode if x.shape[1] <= COMPILED_TOKENS else "metal"
+        mode = self.mode if x.shape[1] <= COMPILED_TOKENS else "plain"
         if self.is_linear:
             mixer = self.linear_attn
             conv_state, start_state = mixer.states(x, cache)
@@ -304,19 +313,14 @@ class DecoderLayer(nn.Module):
 
         A decode step of a small model on MLX's CPU backend costs per dispatched operation;
         compiled, the elementwise work fuses and Python builds the graph once per shape.
-        ``metal``: the plain functions, uncompiled (a kernel may run inside, or the input is a
-        prefill chunk)."""
+        ``kernels``: compiled once the kernels inside are decided (``compiled_pieces``);
+        ``plain``: the plain functions, uncompiled (a prefill chunk)."""
         if mode not in self._compiled:
-            if mode == "metal":
-                self._compiled[mode] = self._linear_layer if self.is_linear else (
-                    lambda x, offset: self.self_attn.project(self.input_layernorm(x), offset), self._attention_output)
-            elif self.is_linear:
-                self._compiled[mode] = mx.compile(self._linear_layer, inputs=self.state)
-            else:
-                self._compiled[mode] = (
-                    mx.compile(lambda x, offset: self.self_attn.project(self.input_layernorm(x), offset), inputs=self.state),
-                    mx.compile(self._attention_output, inputs=self.state),
-                )
+            pieces = (self._linear_layer,) if self.is_linear else (
+                lambda x, offset: self.self_attn.project(self.input_layernorm(x), offset), self._attention_output)
+            if mode != "plain":
+                pieces = compiled_pieces(pieces, self.state, self._deciders() if mode == "kernels" else ())
+            self._compiled[mode] = pieces[0] if self.is_linear else pieces
         return self._compiled[mode]
 
     def _linear_layer(self, x, conv_state, start_state):
