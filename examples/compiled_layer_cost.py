@@ -4,10 +4,13 @@ run plain (as the emulator must run them) against compiled once their kernels ar
 (``kernels.CompiledAfterChecks``, as a Mac runs them).
 
     python examples/compiled_layer_cost.py [--tokens 1,8] [--calls 300] [--repeats 7]
+    python examples/compiled_layer_cost.py --kernels metal --evaluate   # on a Mac
 
-This machine has no Metal, so the kernel launch is a stand-in: each kernel call is one MLX
-operation on its input (a traceable stand-in, as ``mx.fast.metal_kernel`` is on a Mac), the same in
-both columns. Two figures per row: the microseconds of Python to build the graphs of the six
+Off Metal the kernel launch is a stand-in (``--kernels stand-in``): each kernel call is one MLX
+operation on its input (traceable, as ``mx.fast.metal_kernel`` is on a Mac), the same in both
+columns. On a Mac ``--kernels metal`` runs the real kernels (self-checked; the recurrence's too), the
+plain column through MLX's own ``metal_kernel`` marked untraceable; with ``--evaluate`` each timed
+pass is also evaluated, so the GPU's time counts (``tools/mac-report.sh`` runs it so). Two figures per row: the microseconds of Python to build the graphs of the six
 layers for one pass (each layer on the same input, no cache; the minimum over ``--repeats`` rounds
 of ``--calls`` passes, nothing evaluated), and the operations MLX would dispatch for them (nodes of
 those graphs, from ``mx.export_to_dot``): on a Mac each is a command encoded, and each elementwise
@@ -51,10 +54,25 @@ class OneOpKernels:
         return kernel
 
 
-def routed_target(traceable: bool):
-    target, _ = load_target(Path(demo()[0]))
+class PlainMetal:
+    """MLX's own ``metal_kernel``, marked untraceable: the layers then run plain (the other column)."""
+
+    traceable = False
+
+    def __call__(self, *args, **kwargs):
+        return mx.fast.metal_kernel(*args, **kwargs)
+
+
+def routed_target(traceable: bool, real: bool = False):
+    """The demo target, w4, every quantized matmul routed to a kernel (``real``: MLX's Metal kernels,
+    the recurrence's included, self-checked; else the stand-in)."""
+    if real:
+        metal = kernels.MetalKernels(None if traceable else PlainMetal())
+        target, _ = load_target(Path(demo()[0]), recurrence=kernels.Recurrence(metal=metal))
+    else:
+        metal = kernels.MetalKernels(OneOpKernels(traceable), self_check=False)
+        target, _ = load_target(Path(demo()[0]))
     nn.quantize(target, group_size=32, bits=4)
-    metal = kernels.MetalKernels(OneOpKernels(traceable), self_check=False)
     shapes = quantized.shapes_of([target], dtype=mx.float32) + quantized.shapes_of([target])
     target.use_quantized_matmuls(quantized.QuantizedMatmuls(metal, {s: quantized.OURS for s in shapes}))
     return target
@@ -69,24 +87,29 @@ def dispatched(out: mx.array) -> int:
     return len(re.findall(r"shape=rectangle", text))
 
 
-def measure(tokens, calls: int, repeats: int):
+def measure(tokens, calls: int, repeats: int, real: bool = False, evaluate: bool = False):
+    """Per token count: {"plain": (µs, operations), "compiled": (µs, operations)}."""
     out = {}
     for T in tokens:
         ids = mx.array([[7] * T], dtype=mx.int32)
         row = {}
         for name, traceable in (("plain", False), ("compiled", True)):
-            target = routed_target(traceable)
+            target = routed_target(traceable, real)
             x = target.model.embed_tokens(ids)
             mx.eval(x)
 
-            def layers():  # each layer on the same input, no cache, nothing evaluated
-                return [layer(x) for layer in target.model.layers]
+            def layers():  # each layer on the same input, no cache; evaluated only with ``evaluate``
+                ys = [layer(x) for layer in target.model.layers]
+                if evaluate:
+                    mx.eval(ys)
+                return ys
 
-            outputs = layers()  # decides (plans), compiles
+            layers()  # decides (plans), compiles
             best = math.inf
             for _ in range(repeats):
                 best = min(best, timeit.timeit(layers, number=calls) / calls * 1e6)
-            row[name] = (best, sum(dispatched(y) for y in outputs))
+            unevaluated = [layer(x) for layer in target.model.layers]
+            row[name] = (best, sum(dispatched(y) for y in unevaluated))
         out[T] = row
     return out
 
@@ -96,10 +119,17 @@ def main(argv=None):
     parser.add_argument("--tokens", default="1,8", help="tokens per pass: 1 is a decode step, 8 a verify block")
     parser.add_argument("--calls", type=int, default=300, help="passes per timed round")
     parser.add_argument("--repeats", type=int, default=7, help="rounds; the minimum is reported")
+    parser.add_argument("--kernels", choices=["stand-in", "metal"], default="stand-in",
+                        help="the kernel launch: a one-operation stand-in (anywhere), or MLX's Metal kernels (a Mac)")
+    parser.add_argument("--evaluate", action="store_true", help="evaluate each timed pass (the GPU's time counts)")
     args = parser.parse_args(argv)
-    results = measure([int(t) for t in args.tokens.split(",")], args.calls, args.repeats)
-    print(f"demo target (6 layers) w4, every quantized matmul routed; mlx {mx.__version__}")
-    print("| tokens | plain: µs to build | plain: operations | compiled: µs to build | compiled: operations |")
+    if args.kernels == "metal" and not mx.metal.is_available():
+        parser.error("--kernels metal needs an Apple GPU (Metal)")
+    results = measure([int(t) for t in args.tokens.split(",")], args.calls, args.repeats, args.kernels == "metal",
+                      args.evaluate)
+    what = "build and evaluate" if args.evaluate else "build"
+    print(f"demo target (6 layers) w4, every quantized matmul routed, kernels: {args.kernels}; mlx {mx.__version__}")
+    print(f"| tokens | plain: µs to {what} | plain: operations | compiled: µs to {what} | compiled: operations |")
     print("|---:|---:|---:|---:|---:|")
     for T, row in results.items():
         (p_us, p_ops), (c_us, c_ops) = row["plain"], row["compiled"]

@@ -257,7 +257,8 @@ def test_the_mac_report_runs_here_and_archives_every_part(tmp_path):
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     summary = (out / "summary.md").read_text()
     parts = [line.split("|")[1].strip() for line in summary.splitlines() if line.startswith("| ") and "`" in line]
-    assert parts == ["machine", "doctor", "doctor (pair)", "kernel-checks", "cycle costs, block 2", "bench"], summary
+    assert parts == ["machine", "doctor", "doctor (pair)", "kernel-checks", "cycle costs, block 2", "compiled layers",
+                     "bench"], summary
     assert "Every part exited 0." in summary
     assert "mlx " in (out / "machine.txt").read_text()
     assert json.loads((out / "doctor-pair.json").read_text())["ok"]
@@ -265,9 +266,10 @@ def test_the_mac_report_runs_here_and_archives_every_part(tmp_path):
     assert ("skipped" in checks and "needs an Apple GPU" in checks) if not METAL else " passed" in checks
     for block in (2,):
         assert re.search(r"^\| 256 \|", (out / f"cycle-costs-b{block}.txt").read_text(), re.M)
+    assert re.search(r"^\| 8 \| \d+ \| \d+ \| \d+ \| \d+ \|$", (out / "compiled-layers.txt").read_text(), re.M)
     bench = json.loads((out / "bench.json").read_text())
     assert bench and "mlx-lm" in (out / "bench.txt").read_text()
     with tarfile.open(f"{out}.tar.gz") as archive:
         names = {Path(n).name for n in archive.getnames()}
     assert {"summary.md", "machine.txt", "doctor.txt", "doctor-pair.json", "kernel-checks.txt", "cycle-costs-b2.txt",
-            "bench.json", "bench.txt"} <= names
+            "compiled-layers.txt", "bench.json", "bench.txt"} <= names

@@ -19,6 +19,8 @@
 #                  dtype and M = 1..16 against their references, verify rows bit for bit their
 #                  decode steps, the lossless pairs through the real kernels); skipped off a Mac
 #   cycle-costs    examples/cycle_costs.py for each block size: a plain step, a cycle and its parts
+#   compiled       examples/compiled_layer_cost.py: the demo target's kernel layers plain against
+#                  compiled once their kernels are decided (on a Mac the real kernels, evaluated)
 #   bench          `dflash-mlx bench` of the pair against the target alone and mlx-lm (JSON, PNG,
 #                  the table, and each greedy divergence with the target's top-2 gap)
 # Nothing here sends anything anywhere; the report holds no path outside the checkout but $OUT's.
@@ -148,6 +150,10 @@ for block in $blocks; do
   part "cycle costs, block $block" "cycle-costs-b$block.txt" "$python" examples/cycle_costs.py "${pair[@]}" \
     --contexts "$contexts" --block "$block" --repeats "$cycle_repeats"
 done
+compiled_args=(--calls 100 --repeats 3)
+[ "$quick" = 1 ] && compiled_args=(--calls 20 --repeats 1)
+[ "$metal" = 1 ] && compiled_args+=(--kernels metal --evaluate)
+part "compiled layers" compiled-layers.txt "$python" examples/compiled_layer_cost.py "${compiled_args[@]}"
 plot=()
 "$python" -c "import matplotlib" 2> /dev/null && plot=(--plot "$out/bench.png")
 part bench bench.txt "${cli[@]}" bench "${pair[@]}" "${bench_args[@]}" --out "$out/bench.json" "${plot[@]}"
