@@ -700,11 +700,13 @@ def test_sampling_inside_a_batch_follows_the_target(tmp_path_factory):
     counts = np.zeros((ts.V, ts.V))
     decoder = Decoder(target, draft, min_rows=batch_min_rows())
     generator = Sampler(sampler.temperature, top_p=sampler.top_p, top_k=sampler.top_k, min_p=sampler.min_p)
+    caches = ts.resend(target, draft)  # each sequence resends the prompt: bit for bit a prefill from scratch
     for run in range(ts.SAMPLES // 4):
         seqs, tokens = [], []
         for j, block in enumerate([4, 2, 3, 4]):
-            seq, commit = prefilled(decoder, ts.PROMPT, generator.for_request(run * 4 + j), chooser=FixedBlock(block),
-                                    max_tokens=1 + block)
+            cache, draft_cache = caches()
+            seq, commit = prefilled(decoder, ts.PROMPT[-1:], generator.for_request(run * 4 + j), chooser=FixedBlock(block),
+                                    max_tokens=1 + block, cache=cache, draft_cache=draft_cache)
             seqs.append(seq)
             tokens.append(list(commit.tokens))
         live = [s for s in seqs if not s.done]

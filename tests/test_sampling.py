@@ -18,7 +18,9 @@ from dflash_mlx import sampling
 from dflash_mlx import decoder
 from dflash_mlx import speculative as loop
 from tests.reference import target_only
+from dflash_mlx.driver import Driver, Request
 from dflash_mlx.loading import load_target
+from dflash_mlx.prompt_cache import PromptCache
 from dflash_mlx.sampling import Sampler, make_sampler
 from tests.conftest import make_draft, make_hf_target
 
@@ -33,6 +35,26 @@ def small_pair(tmp_path_factory):
     target, config = load_target(path)
     draft = make_draft(tmp_path_factory.mktemp("small_draft"), target, config, block_size=4, seed=12)
     return target, draft
+
+
+def resend(target, draft=None, prompt=PROMPT):
+    """Caches for one sample, at each call: forks of a prompt cache that prefilled ``prompt`` once
+    (the draft's context too, ``draft`` given), holding all of it but its last token. A sample from
+    them feeds ``prompt[-1:]``: the server's resend of a cached prompt, bit for bit the request from
+    scratch (whose prefill feeds the last token alone too; ``test_a_resent_prompt_samples_what_a_fresh_one_does``),
+    without the prefill of the rest, which the sampled tests would run thousands of times."""
+    history = PromptCache()
+    driver = Driver(target, draft)
+    driver.submit(Request(prompt, lambda commit: True, Sampler().for_request(0), max_tokens=1,
+                          block_tokens=getattr(draft, "block_size", 1), use_draft=draft is not None, history=history))
+    driver.run()
+    assert history.restart_point(prompt.size - 1, prompt.size) == prompt.size - 1, sorted(history.checkpoints)
+
+    def caches():
+        fork = history.fork(prompt.size - 1, prompt.size)
+        return fork.cache, fork.draft_cache
+
+    return caches
 
 
 @contextmanager
@@ -85,8 +107,10 @@ def exact_joint(target, sampler):
 def sampled_joint(target, draft, sampler, seed, blocks=lambda: 4, samples=SAMPLES):
     """``blocks()`` gives each sample's block setting: a size or a fresh chooser. Path tests (another
     dtype, another backend, another target) take fewer samples than the rule's own tests. The
-    samples draw from one generator seeded with ``seed``."""
+    samples draw from one generator seeded with ``seed``; each is one request, resending PROMPT
+    (``resend``)."""
     sampler = sampler.for_request(seed)
+    caches = resend(target, draft)
     counts = np.zeros((V, V))
     for _ in range(samples):
         tokens = []
@@ -96,7 +120,9 @@ def sampled_joint(target, draft, sampler, seed, blocks=lambda: 4, samples=SAMPLE
         # No more: the loops dispatch one step ahead, and a cycle past the third token is wasted.
         setting = blocks()
         max_tokens = 1 + setting if isinstance(setting, int) else 5
-        for commit in loop.speculative(target, draft, PROMPT, sampler, block_tokens=setting, max_tokens=max_tokens):
+        cache, draft_cache = caches()
+        for commit in loop.speculative(target, draft, PROMPT[-1:], sampler, block_tokens=setting, max_tokens=max_tokens,
+                                       cache=cache, draft_cache=draft_cache):
             tokens.extend(commit.tokens)
             if len(tokens) >= 3:
                 break
@@ -229,10 +255,12 @@ def test_plain_sampling_follows_its_distribution(small_pair, loop):
     target, _ = small_pair
     sampler = SAMPLERS[1].for_request(1)
     p1 = reference_probs(sampler, target(PROMPT[None])[0, -1])
+    caches = resend(target)
     counts = np.zeros(V)
     for _ in range(SAMPLES):
-        steps = (speculative(target, None, PROMPT, sampler, max_tokens=1) if loop.startswith("the package")
-                 else target_only(target, PROMPT, sampler, max_tokens=1))
+        cache, _ = caches()
+        steps = (speculative(target, None, PROMPT[-1:], sampler, cache=cache, max_tokens=1) if loop.startswith("the package")
+                 else target_only(target, PROMPT[-1:], sampler, cache=cache, max_tokens=1))
         counts[next(steps).tokens[0]] += 1
     assert goodness_of_fit(counts, p1) > 1e-3
 
@@ -394,9 +422,12 @@ def test_deep_blocks_follow_the_target(markov_target):
     draft = NearDraft(tree)
     slots, bonus, accepted = np.zeros((V, V)), np.zeros((V, V)), []
     samples = SAMPLES
+    caches = resend(target, draft)
     for _ in range(samples):
         tokens, commits = [], []
-        for commit in loop.speculative(target, draft, PROMPT, sampler, block_tokens=4, max_tokens=5):
+        cache, _ = caches()  # the draft starts each sample over: its cache is its own
+        for commit in loop.speculative(target, draft, PROMPT[-1:], sampler, block_tokens=4, max_tokens=5, cache=cache,
+                                       draft_cache=draft.make_cache()):
             commits.append(commit)
             tokens.extend(commit.tokens)
             if len(tokens) >= 5:
@@ -433,3 +464,35 @@ def test_requests_draw_from_their_own_generator(small_pair):
     mx.random.uniform()
     assert run(5) == first and run(5, use_draft=False) == alone
     assert len({tuple(run(seed)) for seed in (6, 7, 8)} | {tuple(first)}) > 1
+
+
+def test_a_resent_prompt_samples_what_a_fresh_one_does(small_pair):
+    """The sampled tests start every sample from ``resend``'s caches: each sample is, bit for bit
+    (tokens, log-probs, drafts accepted), the request from scratch drawing from a generator seeded
+    alike: with the draft (a fixed block, blocks changing every cycle), without it, and through the
+    tests' reference loop."""
+    from tests.test_lossless import ScriptedBlock
+
+    target, draft = small_pair
+    script = [(1, 2), (3, 0), (4, 0), (2, 0)]
+    paths = {"block 4": (draft, lambda: 4), "changing blocks": (draft, lambda: ScriptedBlock(script)),
+             "plain": (None, lambda: None), "reference": (None, None)}
+    seen = set()
+    for name, (used, blocks) in paths.items():
+        caches = resend(target, used)
+        fresh, resent = SAMPLERS[1].for_request(9), SAMPLERS[1].for_request(9)
+        for _ in range(5):
+            cache, draft_cache = caches()
+            if blocks is None:
+                runs = [target_only(target, PROMPT, fresh, max_tokens=8),
+                        target_only(target, PROMPT[-1:], resent, cache=cache, max_tokens=8)]
+            else:
+                runs = [loop.speculative(target, used, PROMPT, fresh, block_tokens=blocks(), max_tokens=8),
+                        loop.speculative(target, used, PROMPT[-1:], resent, block_tokens=blocks(), max_tokens=8,
+                                         cache=cache, draft_cache=draft_cache)]
+            want, got = ([(c.tokens, np.array(c.logprobs), c.drafted, c.accepted) for c in run] for run in runs)
+            assert [w[0] for w in want] == [g[0] for g in got], name
+            for w, g in zip(want, got):
+                assert w[2:] == g[2:] and np.array_equal(w[1], g[1]), f"{name}: {w[0]} {w[2:]} vs {g[0]} {g[2:]}"
+            seen.add(tuple(t for w in want for t in w[0]))
+    assert len(seen) > 1, "every sample came out the same: the comparison would not see a difference"

@@ -27,7 +27,7 @@ from dflash_mlx.grammar import GrammarError, Grammars
 from dflash_mlx.loading import load_target
 from dflash_mlx.sampling import Sampler
 from tests.conftest import make_draft, make_hf_target
-from tests.test_sampling import goodness_of_fit, reference_probs
+from tests.test_sampling import goodness_of_fit, reference_probs, resend
 
 # Nested objects, enums, a bounded integer and a short string: every answer under it ends.
 SCHEMA = {
@@ -65,9 +65,10 @@ def prompt(tokenizer, text: str) -> mx.array:
 
 
 def decode(decoder: Decoder, prompts: Sequence[mx.array], constraints, samplers, max_tokens: int, block: int = 8,
-           stop_tokens=()) -> List[List[int]]:
-    """Each prompt's answer (up to its stop token), the sequences decoded together in one batch."""
-    _, commits = decode_commits(decoder, prompts, constraints, samplers, max_tokens, stop_tokens, block)
+           stop_tokens=(), caches=None) -> List[List[int]]:
+    """Each prompt's answer (up to its stop token), the sequences decoded together in one batch
+    (``caches``: each one's target and draft caches holding what comes before its prompt)."""
+    _, commits = decode_commits(decoder, prompts, constraints, samplers, max_tokens, stop_tokens, block, caches)
     return [cut([t for c in mine for t in c.tokens], max_tokens, stop_tokens) for mine in commits]
 
 
@@ -177,11 +178,13 @@ def test_a_batched_constrained_request_is_as_alone(demo, grammars):
         assert together == alone, settings
 
 
-def decode_commits(decoder: Decoder, prompts, constraints, samplers, max_tokens: int, stop_tokens, block: int = 4):
+def decode_commits(decoder: Decoder, prompts, constraints, samplers, max_tokens: int, stop_tokens, block: int = 4,
+                   caches=None):
     """Every commit of a batch decoded together (tokens and log-probs), and the sequences."""
     seqs, commits = [], []
-    for p, c, s in zip(prompts, constraints, samplers):
-        start = decoder.start(p, s, FixedBlock(block), max_tokens=max_tokens, stop_tokens=stop_tokens, constraint=c)
+    for p, c, s, (cache, draft_cache) in zip(prompts, constraints, samplers, caches or [(None, None)] * len(prompts)):
+        start = decoder.start(p, s, FixedBlock(block), cache, draft_cache, max_tokens=max_tokens, stop_tokens=stop_tokens,
+                              constraint=c)
         while True:
             try:
                 next(start)
@@ -286,9 +289,11 @@ def test_sampled_speculation_follows_the_constrained_target(tiny_pair, settings)
     decoder = Decoder(target, draft)
     counts = np.zeros((V, V))
     width = 16  # samples decoded together (each as alone: its own generator)
+    caches = resend(target, draft, mx.array(prompt_ids))  # each answer resends the prompt: bit for bit from scratch
     for first in range(0, SAMPLES, width):
-        answers = decode(decoder, [mx.array(prompt_ids)] * width, [constraint] * width,
-                         [sampler.for_request(first + i) for i in range(width)], 3, block=4, stop_tokens={EOS})
+        answers = decode(decoder, [mx.array(prompt_ids[-1:])] * width, [constraint] * width,
+                         [sampler.for_request(first + i) for i in range(width)], 3, block=4, stop_tokens={EOS},
+                         caches=[caches() for _ in range(width)])
         for tokens in answers:
             tokens += [EOS] * (3 - len(tokens))
             counts[tokens[1], tokens[2]] += 1
