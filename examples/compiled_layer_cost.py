@@ -10,10 +10,12 @@ Off Metal the kernel launch is a stand-in (``--kernels stand-in``): each kernel 
 operation on its input (traceable, as ``mx.fast.metal_kernel`` is on a Mac), the same in both
 columns. On a Mac ``--kernels metal`` runs the real kernels (self-checked; the recurrence's too), the
 plain column through MLX's own ``metal_kernel`` marked untraceable; with ``--evaluate`` each timed
-pass is also evaluated, so the GPU's time counts (``tools/mac-report.sh`` runs it so). Two figures per row: the microseconds of Python to build the graphs of the six
-layers for one pass (each layer on the same input, no cache; the minimum over ``--repeats`` rounds
-of ``--calls`` passes, nothing evaluated), and the operations MLX would dispatch for them (nodes of
-those graphs, from ``mx.export_to_dot``): on a Mac each is a command encoded, and each elementwise
+pass is also evaluated, so the GPU's time counts (``tools/mac-report.sh`` runs it so).
+
+Two figures per row: the microseconds to build (and with ``--evaluate``, to evaluate) the graphs of
+the six layers for one pass (each layer on the same input, no cache; the minimum over ``--repeats``
+rounds of ``--calls`` passes), and the operations MLX dispatches for them (nodes of those graphs,
+from ``mx.export_to_dot``): on a Mac each is a command encoded, and each elementwise
 one a pass over its tensor through memory.
 """
 
