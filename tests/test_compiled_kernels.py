@@ -153,6 +153,21 @@ def test_a_failing_check_drops_the_compiled_graph(target_dir, tmp_path):
     assert all(p.compilations == 2 for p in compiled)
 
 
+def test_a_recurrence_on_the_kernels_compiles_once_decided(target_dir):
+    """An unquantized target whose Gated DeltaNet layers run the recurrence kernels: those layers
+    (and only those) compile once the kernels are decided, then replay without a kernel call."""
+    factory = TracedKernels()
+    target, _ = load_target(target_dir, recurrence=kernels.Recurrence(metal=kernels.MetalKernels(factory)))
+    assert {layer.is_linear: layer.mode for layer in target.layers} == {True: "kernels", False: "attention"}
+    ids = mx.array([8, 2, 30], dtype=mx.int32)
+    first = logits(target, ids)
+    linear = [layer._compiled["kernels"] for layer in target.layers if layer.is_linear]
+    assert all(isinstance(p, kernels.CompiledAfterChecks) and p.compilations == 1 for p in linear)
+    calls = factory.calls
+    np.testing.assert_array_equal(logits(target, ids), first)
+    assert factory.calls == calls
+
+
 def test_greedy_is_lossless_with_compiled_kernel_layers(target_dir, tmp_path):
     """Greedy speculation through compiled kernel layers (target and draft) equals the target alone
     at blocks 2 and 4 and at every acceptance length, and the same tokens as the layers run plain
