@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -78,9 +79,9 @@ def world(tmp_path_factory):
     return root, local_target
 
 
-@pytest.fixture()
-def hub(world):
-    root, _ = world
+@contextmanager
+def serving(root: Path):
+    """A fake hub serving the world's repos under their Hub names."""
     with FakeHub() as hub:
         hub.add("Qwen/Qwen3.5-9B", root / "base")
         hub.add("Jackrong/Qwopus3.5-9B-Coder", root / "qwopus")
@@ -88,6 +89,22 @@ def hub(world):
         for name in ("legacy", "other-size", "bad-taps", "bad-mask", "corrupt", "big"):
             hub.add(f"z-lab/{name}", root / name)
         yield hub
+
+
+@pytest.fixture()
+def hub(world):
+    with serving(world[0]) as hub:
+        yield hub
+
+
+@pytest.fixture(scope="module")
+def default_conversion(world, tmp_path_factory):
+    """``convert`` with its defaults, run once for the tests that read its output (about 3 s a run):
+    the finished process, the output folder, the hub's requests and the draft's commit."""
+    tmp_path = tmp_path_factory.mktemp("default-conversion")
+    with serving(world[0]) as hub:
+        done = run_cli(hub, tmp_path, "--out", str(tmp_path / "draft-qwopus"))
+        return done, tmp_path / "draft-qwopus", list(hub.requests), hub.commit("z-lab/Qwen3.5-9B-DFlash")
 
 
 def run_cli(hub, tmp_path, *args, offline=False):
@@ -100,14 +117,13 @@ def run_cli(hub, tmp_path, *args, offline=False):
     )
 
 
-def test_default_pair_converts_with_named_warnings(hub, tmp_path, world):
-    out = tmp_path / "draft-qwopus"
-    done = run_cli(hub, tmp_path, "--out", str(out))
+def test_default_pair_converts_with_named_warnings(default_conversion):
+    done, out, requests, draft_commit = default_conversion
     assert done.returncode == 0, done.stderr
     config = json.loads((out / "config.json").read_text())
     meta = config["dflash_mlx"]
     assert config["dflash_config"] == {"block_size": 8, "mask_token_id": 248077, "target_layer_ids": [1, 2]}
-    assert meta["draft"] == "z-lab/Qwen3.5-9B-DFlash" and meta["draft_revision"] == hub.commit("z-lab/Qwen3.5-9B-DFlash")
+    assert meta["draft"] == "z-lab/Qwen3.5-9B-DFlash" and meta["draft_revision"] == draft_commit
     [added] = meta["warnings"]
     assert "7 target tokens beyond the draft's original 248070-token vocabulary" in added
     assert "248070 '<|audio_start|>'" in added and "248076 '<|audio_pad|>'" in added
@@ -115,7 +131,7 @@ def test_default_pair_converts_with_named_warnings(hub, tmp_path, world):
     assert (out / "tokenizer.json").exists() and (out / "README.md").exists()
     assert "Qwopus3.5-9B-Coder" in (out / "README.md").read_text()
     # Only config and tokenizer of the target: never its weights.
-    assert not any("qwopus" in p.lower() and p.endswith(".safetensors") for _, p in hub.requests)
+    assert not any("qwopus" in p.lower() and p.endswith(".safetensors") for _, p in requests)
     assert "tokens the draft never saw" in done.stderr
 
 
@@ -133,37 +149,43 @@ def test_legacy_draft_with_mask_on_a_real_token_is_loudly_flagged(hub, tmp_path)
 
 
 @pytest.mark.slow  # converts and quantizes checkpoints through the fake hub
-def test_converted_drafts_load_and_are_lossless_w4_smaller(hub, tmp_path, world):
+def test_converted_drafts_load_and_are_lossless_w4_smaller(hub, tmp_path, world, default_conversion):
     _, local_target = world
-    plain, w4 = tmp_path / "plain", tmp_path / "w4"
-    assert run_cli(hub, tmp_path, "--out", str(plain)).returncode == 0
+    done, plain, _, _ = default_conversion
+    w4 = tmp_path / "w4"
+    assert done.returncode == 0, done.stderr
     assert run_cli(hub, tmp_path, "--out", str(w4), "--quant", "w4:gs32").returncode == 0
     size = lambda d: (d / "model.safetensors").stat().st_size  # noqa: E731
     assert size(w4) < 0.4 * size(plain)
     assert json.loads((w4 / "config.json").read_text())["quantization"] == {"group_size": 32, "bits": 4}
     prompt = mx.array([11, 248045, 500, 9000, 248046, 77], dtype=mx.int32)
+    expected = None  # the same target under both drafts: its own tokens once
     for folder in (plain, w4):
         model, _ = load(str(local_target), draft=str(folder))
-        expected, _ = take(target_only(model.target, prompt, Sampler()), 16)
-        got, _ = take(speculative(model.target, model.draft, prompt, Sampler(), block_tokens=8), 16)
+        if expected is None:
+            expected, _ = take(target_only(model.target, prompt, Sampler()), 8)
+        # 8 tokens, 7 verify cycles (a cycle costs about 0.25 s with this vocabulary): the random
+        # draft's blocks are rejected, every cycle the same kind as in a longer run.
+        got, _ = take(speculative(model.target, model.draft, prompt, Sampler(), block_tokens=8), 8)
         assert got == expected
 
 
 @pytest.mark.slow  # serves a fake hub and interrupts downloads
 def test_offline_and_resumed_downloads(hub, tmp_path):
-    hub.break_after[("z-lab/Qwen3.5-9B-DFlash", "model.safetensors")] = 1000
-    broken = run_cli(hub, tmp_path, "--out", str(tmp_path / "a"))
-    assert broken.returncode == 1 and "download of z-lab/Qwen3.5-9B-DFlash failed" in broken.stderr
+    # A connection that always drops (huggingface_hub retries it 5 times, 1 s apart): a clean failure.
+    hub.break_after[("z-lab/big", "model.safetensors")] = 1000
+    broken = run_cli(hub, tmp_path, "--draft", "z-lab/big", "--out", str(tmp_path / "a"))
+    assert broken.returncode == 1 and "download of z-lab/big failed" in broken.stderr
     assert not (tmp_path / "a").exists() and not list(tmp_path.glob(".a.*"))
     hub.break_after.clear()
-    assert run_cli(hub, tmp_path, "--out", str(tmp_path / "a")).returncode == 0
-    # A connection dropped mid-file once: huggingface_hub asks for the rest (a Range request from
-    # the bytes it has written, whole 10 MB chunks) and the run succeeds.
+    # The run again, into the same folder (one conversion for both checks: about 3 s each): a connection
+    # dropped mid-file once, huggingface_hub asks for the rest (a Range request from the bytes it has
+    # written, whole 10 MB chunks) and the run succeeds.
     hub.break_once[("z-lab/big", "model.safetensors")] = 11_000_000
-    assert run_cli(hub, tmp_path, "--draft", "z-lab/big", "--out", str(tmp_path / "big")).returncode == 0
+    assert run_cli(hub, tmp_path, "--draft", "z-lab/big", "--out", str(tmp_path / "a")).returncode == 0
     assert [r for p, r in hub.ranges if p.startswith("/z-lab/big/")] == [f"bytes={10 * 1024 * 1024}-"], hub.ranges
     # Everything is cached now: offline works, and a later run needs no network.
-    offline = run_cli(hub, tmp_path, "--out", str(tmp_path / "b"), offline=True)
+    offline = run_cli(hub, tmp_path, "--draft", "z-lab/big", "--out", str(tmp_path / "b"), offline=True)
     assert offline.returncode == 0, offline.stderr
     missing = run_cli(hub, tmp_path, "--draft", "z-lab/legacy", "--out", str(tmp_path / "c"), offline=True)
     assert missing.returncode == 1 and "HF_HUB_OFFLINE" in missing.stderr
