@@ -231,3 +231,27 @@ def test_the_compiled_layer_cost_example_runs_and_compiling_fuses():
     results = compiled_layer_cost.measure([1], calls=5, repeats=1)
     (plain_us, plain_ops), (compiled_us, compiled_ops) = results[1]["plain"], results[1]["compiled"]
     assert min(plain_us, compiled_us) > 0 and compiled_ops < plain_ops
+
+
+def test_a_batch_through_compiled_kernel_layers_is_each_request_alone():
+    """The demo pair, w4, every quantized matmul and the recurrence on the stand-in's kernels, its
+    layers compiled once decided: requests decoded together under a GPU's batch rules (two rows a
+    sequence at least, sixteen a pass), greedy and seeded, arriving at different rounds, are each
+    bit for bit (tokens and log-probs) the request alone; every batch shape decided, then traced."""
+    from dflash_mlx.api import load
+    from tests.test_batch_alone import RULES, chat, check
+
+    model, tokenizer = load("demo")
+    metal = kernels.MetalKernels(TracedKernels())
+    nn.quantize(model.target, group_size=32, bits=4)
+    quantize_draft(model.draft, "w4:gs32")
+    model.target.use_recurrence(kernels.Recurrence(metal=metal))
+    shapes = [s for dtype in (mx.bfloat16, mx.float32)
+              for s in quantized.shapes_of([model.target, model.draft], dtype=dtype)]
+    matmuls = quantized.QuantizedMatmuls(metal, {s: quantized.OURS for s in shapes})
+    model.target.use_quantized_matmuls(matmuls)
+    model.draft.use_quantized_matmuls(matmuls)
+    specs = [dict(prompt=chat(i, 120), max_tokens=12, block_tokens=4) for i in range(2)]
+    specs.append(dict(prompt=chat(7, 120), max_tokens=12, block_tokens=4, temp=0.9, seed=3))
+    check(model, tokenizer, specs, [0, 0, 1], RULES["gpu rules"])
+    assert all(p.compilations >= 1 for p in compiled_pieces(model.target))
