@@ -93,7 +93,7 @@ def routed_pair(target_dir, draft_dir, factory):
     return target, draft, matmuls
 
 
-def compiled_pieces(target) -> list:
+def kernel_layer_pieces(target) -> list:
     """Every layer's compiled functions for kernel layers at decode and verify lengths."""
     out = []
     for layer in target.layers:
@@ -119,7 +119,7 @@ def test_a_layer_compiles_once_its_kernels_are_decided(target_dir, tmp_path):
     ids = mx.array([3, 9, 27, 17], dtype=mx.int32)
     first = logits(target, ids)
     assert factory.calls > 0
-    compiled = compiled_pieces(target)
+    compiled = kernel_layer_pieces(target)
     assert all(isinstance(p, kernels.CompiledAfterChecks) and p.compilations == 1 for p in compiled)
     calls = factory.calls
     again = logits(target, ids)
@@ -144,7 +144,7 @@ def test_a_failing_check_drops_the_compiled_graph(target_dir, tmp_path):
     target, _, matmuls = routed_pair(target_dir, tmp_path, factory)
     ids = mx.array([5, 1, 44], dtype=mx.int32)
     first = logits(target, ids)
-    compiled = compiled_pieces(target)
+    compiled = kernel_layer_pieces(target)
     gate = target.layers[1].mlp.gate_proj
     with pytest.warns(RuntimeWarning, match="failed its self-check"):
         assert not quantized.form_usable(matmuls.metal, mx.float16, gate["weight"], gate["scales"], gate["biases"],
@@ -202,7 +202,8 @@ def test_compiled_kernel_layers_on_an_apple_gpu(target_dir, tmp_path):
     assert matmuls.traceable
     ids = mx.array([3, 9, 27, 17], dtype=mx.int32)
     first = logits(target, ids)
-    assert all(isinstance(p, kernels.CompiledAfterChecks) and p.compilations == 1 for p in compiled_pieces(target))
+    pieces = kernel_layer_pieces(target)
+    assert all(isinstance(p, kernels.CompiledAfterChecks) and p.compilations == 1 for p in pieces)
     runs = []
     real_run = matmuls.metal.run
     matmuls.metal.run = lambda launch: runs.append(launch.name) or real_run(launch)
@@ -254,4 +255,4 @@ def test_a_batch_through_compiled_kernel_layers_is_each_request_alone():
     specs = [dict(prompt=chat(i, 120), max_tokens=12, block_tokens=4) for i in range(2)]
     specs.append(dict(prompt=chat(7, 120), max_tokens=12, block_tokens=4, temp=0.9, seed=3))
     check(model, tokenizer, specs, [0, 0, 1], RULES["gpu rules"])
-    assert all(p.compilations >= 1 for p in compiled_pieces(model.target))
+    assert all(p.compilations >= 1 for p in kernel_layer_pieces(model.target))
