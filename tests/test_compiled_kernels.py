@@ -22,7 +22,8 @@ from dflash_mlx.loading import load_target
 from dflash_mlx.models.dflash import quantize_draft
 from tests.conftest import make_draft, make_hf_target, random_prompts
 from tests.reference import target_only
-from tests.test_emulated_metal import GREEDY, check_every_acceptance_length, check_greedy_lossless, take
+from tests.test_emulated_metal import (GREEDY, check_every_acceptance_length, check_greedy_lossless,
+                                      route_every_shape, take)
 
 VOCAB = 64
 MODES = {code: mode for mode, code in quantized.MODES.items()}
@@ -86,11 +87,7 @@ def routed_pair(target_dir, draft_dir, factory):
     nn.quantize(target, group_size=32, bits=4)
     draft = make_draft(draft_dir, target, config, block_size=4, seed=6)
     quantize_draft(draft, "w4:gs32")
-    shapes = [s for dtype in (mx.bfloat16, mx.float32) for s in quantized.shapes_of([target, draft], dtype=dtype)]
-    matmuls = quantized.QuantizedMatmuls(metal, {s: quantized.OURS for s in shapes})
-    target.use_quantized_matmuls(matmuls)
-    draft.use_quantized_matmuls(matmuls)
-    return target, draft, matmuls
+    return target, draft, route_every_shape(metal, target, draft)
 
 
 def kernel_layer_pieces(target) -> list:
@@ -247,11 +244,7 @@ def test_a_batch_through_compiled_kernel_layers_is_each_request_alone():
     nn.quantize(model.target, group_size=32, bits=4)
     quantize_draft(model.draft, "w4:gs32")
     model.target.use_recurrence(kernels.Recurrence(metal=metal))
-    shapes = [s for dtype in (mx.bfloat16, mx.float32)
-              for s in quantized.shapes_of([model.target, model.draft], dtype=dtype)]
-    matmuls = quantized.QuantizedMatmuls(metal, {s: quantized.OURS for s in shapes})
-    model.target.use_quantized_matmuls(matmuls)
-    model.draft.use_quantized_matmuls(matmuls)
+    route_every_shape(metal, model.target, model.draft)
     specs = [dict(prompt=chat(i, 120), max_tokens=12, block_tokens=4) for i in range(2)]
     specs.append(dict(prompt=chat(7, 120), max_tokens=12, block_tokens=4, temp=0.9, seed=3))
     check(model, tokenizer, specs, [0, 0, 1], RULES["gpu rules"])

@@ -251,11 +251,23 @@ def test_a_recurrence_kernel_that_fails_its_self_check_falls_back_to_mlx_lms_ker
 WRONG_ROW = ("static_cast<float>(x[r * K + k])", "static_cast<float>(x[k])")
 
 
+def route_every_shape(metal: kernels.MetalKernels, target, draft, impl=None):
+    """Route ``target`` and ``draft`` so that every quantized matmul shape they have (at bfloat16 and
+    float32 activations: the draft's on M1/M2) runs ``impl``'s kernel (the per-row one unless given)
+    at every row count; returns the ``QuantizedMatmuls``."""
+    from dflash_mlx import quantized
+
+    shapes = [s for dtype in (mx.bfloat16, mx.float32) for s in quantized.shapes_of([target, draft], dtype=dtype)]
+    matmuls = quantized.QuantizedMatmuls(metal, {s: impl or quantized.OURS for s in shapes})
+    target.use_quantized_matmuls(matmuls)
+    draft.use_quantized_matmuls(matmuls)
+    return matmuls
+
+
 def quantized_mac_pair(path, draft_dir, bits, sources=None, self_check=True, impl=None):
     """A quantized target (bfloat16 checkpoint) and w``bits`` draft on the Mac path: recurrence
     kernels and verify-matmul kernels emulated, the kernel (``impl``: the per-row one unless given)
     chosen for every shape it has a form for."""
-    from dflash_mlx import quantized
     from dflash_mlx.models.dflash import quantize_draft
 
     target, config = load_target(path, recurrence=emulated_recurrence())
@@ -263,10 +275,7 @@ def quantized_mac_pair(path, draft_dir, bits, sources=None, self_check=True, imp
     draft = make_draft(draft_dir, target, config, block_size=8, seed=4)
     quantize_draft(draft, f"w{bits}:gs32")
     metal = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST, sources), self_check=self_check)
-    shapes = [s for dtype in (mx.bfloat16, mx.float32) for s in quantized.shapes_of([target, draft], dtype=dtype)]
-    matmuls = quantized.QuantizedMatmuls(metal, {s: impl or quantized.OURS for s in shapes})
-    target.use_quantized_matmuls(matmuls)
-    draft.use_quantized_matmuls(matmuls)
+    route_every_shape(metal, target, draft, impl)
     assert all(layer.kernel_matmuls is not None for layer in [*target.layers, *draft.layers])
     return target, draft, metal
 

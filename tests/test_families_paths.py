@@ -279,20 +279,18 @@ def qwen3_mac_pair(path, draft_dir, sources=None, self_check=True):
     ``quantized_mac_pair`` for Qwen3.5)."""
     import mlx.nn as nn
 
-    from dflash_mlx import kernels, quantized
+    from dflash_mlx import kernels
     from dflash_mlx.models.dflash import quantize_draft
     from tests.conftest import make_draft
     from tests.metal_emulation import LOWEST_FIRST, EmulatedMetal
+    from tests.test_emulated_metal import route_every_shape
 
     target, config = load_target(path)
     nn.quantize(target, group_size=32, bits=4)
     draft = make_draft(draft_dir, target, config, block_size=8, seed=4)
     quantize_draft(draft, "w4:gs32")
     metal = kernels.MetalKernels(EmulatedMetal(LOWEST_FIRST, sources), self_check=self_check)
-    shapes = [s for dtype in (mx.bfloat16, mx.float32) for s in quantized.shapes_of([target, draft], dtype=dtype)]
-    matmuls = quantized.QuantizedMatmuls(metal, {s: quantized.OURS for s in shapes})
-    target.use_quantized_matmuls(matmuls)
-    draft.use_quantized_matmuls(matmuls)
+    route_every_shape(metal, target, draft)
     assert all(layer.kernel_matmuls is not None for layer in [*target.layers, *draft.layers])
     return target, draft, metal
 

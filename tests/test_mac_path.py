@@ -120,17 +120,14 @@ def test_quantized_pairs_are_lossless_through_the_kernels_on_an_apple_gpu(bf16_t
     and 8 and at every acceptance length; every specialization self-checked on the GPU."""
     from dflash_mlx.loading import load_target
     from dflash_mlx.models.dflash import quantize_draft
-    from tests.test_emulated_metal import check_every_acceptance_length, check_greedy_lossless
+    from tests.test_emulated_metal import check_every_acceptance_length, check_greedy_lossless, route_every_shape
 
     metal = kernels.MetalKernels()
     target, config = load_target(bf16_target_dir, recurrence=kernels.Recurrence(metal=metal))
     nn.quantize(target, group_size=32, bits=bits)
     draft = make_draft(tmp_path, target, config, block_size=8, seed=4)
     quantize_draft(draft, f"w{bits}:gs32")
-    shapes = [s for dtype in (mx.bfloat16, mx.float32) for s in quantized.shapes_of([target, draft], dtype=dtype)]
-    matmuls = quantized.QuantizedMatmuls(metal, {s: impl for s in shapes})
-    target.use_quantized_matmuls(matmuls)
-    draft.use_quantized_matmuls(matmuls)
+    route_every_shape(metal, target, draft, impl)
     prompts = random_prompts(3, SMALL_VOCAB, seed=8)
     check_greedy_lossless(target, draft, prompts[:1], [2, 8], n=16)
     assert check_every_acceptance_length(target, prompts[1:2]) == set(range(4))
