@@ -300,12 +300,8 @@ FALLBACKS = {
                         "steps from the saved state)",
     "tape_replay": "the pure-MLX replay",
     # Where the tuner asks (a routed layer's plan names its own next best: ``usable``'s ``fallback``).
-    "quantized_verify": "the tuner's next choice (another kernel of ours or stock) for every row count of the layers of "
-                        "this form",
-    "quantized_verify_tile": "the tuner's next choice (another kernel of ours or stock) for every row count of the layers "
-                             "of this form",
-    "quantized_verify_splash": "the tuner's next choice (another kernel of ours or stock) for every row count of the "
-                               "layers of this form",
+    **{name: "the tuner's next choice (another kernel of ours or stock) for every row count of the layers of this form"
+       for name in ("quantized_verify", "quantized_verify_tile", "quantized_verify_splash")},
     MLX_LM_KERNEL: "the pure-MLX recurrence",
 }
 
